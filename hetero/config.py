@@ -1,0 +1,139 @@
+"""The run configuration: one frozen dataclass whose field names are the CLI flags, Make variables and
+notebook parameters (`global_batch` = `--global-batch` = `GLOBAL_BATCH=`). Validation needs no process group."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A bad input: reported as one line, exit status 2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: str = "vgg16"              # vgg11/13/16/19, resnet18/34/50, tiny, tiny_nobn
+    scheme: str = "edp"               # sync, dp, edp (the paper's) or affine (model-based)
+    hetero: str = ""                  # heterogeneity emulation spec, e.g. "1:delay=0.1" (README: grammar)
+    epochs: int = 150
+    global_batch: int = 256           # samples per step over all ranks (B)
+    min_batch: int = 1                # smallest per-rank batch any scheme may assign
+    max_batch: int = 0                # largest per-rank batch (0: no limit)
+    lr: float = 0.1                   # SGD, Nesterov momentum, cosine schedule over the epochs
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    data: str = "cifar10"             # cifar10, imagefolder (DATA_DIR/train/<class>/*, DATA_DIR/test/...), synthetic
+    data_dir: str = "data"            # cifar10 is downloaded here when missing; the image folder's root
+    subset: int = 0                   # train on this many samples (0: all)
+    test_subset: int = 0              # evaluate on this many test samples (0: the full test set)
+    augment: bool = True              # random crop (4-pixel padding) and horizontal flip, as the paper
+    seed: int = 0
+    device: str = "auto"              # auto, cpu or cuda (cuda:LOCAL_RANK)
+    backend: str = "auto"             # auto (nccl when every rank has a GPU, else gloo), gloo, nccl
+    threads: int = 0                  # torch CPU threads per rank (0: torch's default)
+    rebalance_every: int = 0          # re-decide batch sizes every K steps (0: at epoch ends only)
+    smoothing: float = 0.0            # weight of the previous estimate in the balancer's moving average
+    deadband: float = 0.0             # keep batch sizes unless the predicted step time drops by more than this
+    timeout_s: float = 300.0          # collective timeout: a dead peer ends the run after this long
+    run_dir: str = ""                 # the run folder (default: runs/<time>-<model>-<scheme>)
+    overwrite: bool = False           # replace a run folder that already holds a run
+    resume: str = ""                  # a run folder to continue from its last checkpoint (its config is reused)
+    replay: str = ""                  # a run folder whose recorded batch sizes this run reuses
+    eval_batch: int = 1000            # per-rank evaluation batch size
+
+    def __post_init__(self):
+        from .emulator import parse_hetero
+        from .models import MODELS
+        from .partition import SCHEMES, check_feasible
+
+        if self.model not in MODELS:
+            raise ConfigError(f"unknown model {self.model!r}: choose one of {', '.join(MODELS)}")
+        if self.scheme not in SCHEMES:
+            raise ConfigError(f"unknown scheme {self.scheme!r}: choose one of {', '.join(SCHEMES)}")
+        if self.data not in ("cifar10", "imagefolder", "synthetic"):
+            raise ConfigError(f"unknown data set {self.data!r}: choose cifar10, imagefolder or synthetic")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"unknown device {self.device!r}: choose auto, cpu or cuda")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(f"unknown backend {self.backend!r}: choose auto, gloo or nccl")
+        for name in ("epochs", "global_batch", "lr", "timeout_s", "eval_batch"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"--{_flag(name)} must be positive (got {v})")
+        for name in ("momentum", "weight_decay", "subset", "test_subset", "threads", "rebalance_every",
+                     "min_batch", "max_batch", "seed"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"--{_flag(name)} must be non-negative (got {v})")
+        for name in ("smoothing", "deadband"):
+            v = getattr(self, name)
+            if not (0 <= v < 1):
+                raise ConfigError(f"--{_flag(name)} must be in [0, 1) (got {v})")
+        if self.subset and self.subset < self.global_batch:
+            raise ConfigError(f"--subset {self.subset} is smaller than the global batch {self.global_batch}")
+        if self.resume and self.overwrite:
+            raise ConfigError("--resume and --overwrite contradict each other: choose one")
+        try:
+            parse_hetero(self.hetero)
+        except ValueError as e:
+            raise ConfigError(f"bad --hetero {self.hetero!r}: {e}") from None
+        try:
+            check_feasible(1, self.global_batch, self.min_batch, self.max_batch or None)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def check_world(self, world: int) -> None:
+        """The checks that need the world size (known once torchrun has started us, or from NPROC)."""
+        from .emulator import parse_hetero
+        from .partition import check_feasible
+
+        bad = [r for r in parse_hetero(self.hetero) if r >= world]
+        if bad:
+            raise ConfigError(f"bad --hetero {self.hetero!r}: rank {bad[0]} is not below the world size {world}")
+        try:
+            check_feasible(world, self.global_batch, self.min_batch, self.max_batch or None)
+        except ValueError as e:
+            raise ConfigError(f"{e} (world size {world})") from None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_parser(prog: str = "python -m hetero.train") -> argparse.ArgumentParser:
+    """One flag per Config field; booleans take an optional true/false so Make can pass `--overwrite $(OVERWRITE)`."""
+    p = argparse.ArgumentParser(prog=prog, description="Heterogeneity-aware DDP training (run under torchrun).")
+    for f in fields(Config):
+        kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type)]
+        if kind is _bool:
+            p.add_argument(f"--{_flag(f.name)}", type=_bool, nargs="?", const=True, default=f.default)
+        else:
+            p.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    p = build_parser()
+    p.add_argument("--check", action="store_true",
+                   help="validate the configuration (and fetch the data) without training; WORLD_SIZE sets the world")
+    ns = p.parse_args(argv)
+    cfg = Config(**{f.name: getattr(ns, f.name) for f in fields(Config)})
+    return cfg, ns
+
+
+def default_run_dir(cfg: Config, stamp: str) -> Path:
+    return Path("runs") / f"{stamp}-{cfg.model}-{cfg.scheme}"

@@ -1,0 +1,177 @@
+"""Distributed plumbing: process group from torchrun's environment, devices, the gradient-weighting DDP
+communication hook with its timing mark, and small gather helpers. The training loop lives in train.py."""
+import inspect
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int          # global rank: decides roles (who is delayed, who writes, whose weight)
+    world: int
+    local_rank: int    # only picks a device
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) outside torchrun."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but torch sees no GPU (use --device cpu)")
+        n = torch.cuda.device_count()
+        torch.cuda.set_device(local_rank % n)
+        return torch.device("cuda", local_rank % n)
+    return torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup(device: str, backend: str, timeout_s: float) -> World:
+    """Join (or, outside torchrun, create a one-rank) process group; gloo for CPU, nccl when every rank has a GPU."""
+    rank, world, local_rank = env_world()
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    dev = pick_device(device, local_rank)
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                            device_id=dev if backend == "nccl" else None)
+    return World(rank, world, local_rank, dev, backend)
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DDP:
+    """DDP without its per-forward buffer broadcast (see average_buffers); the flag's name changed in torch 2.14."""
+    ids = [device] if device.type == "cuda" else None
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
+        return DDP(model, device_ids=ids, forward_sync_buffers=False)
+    return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class StepClock:
+    """Marks inside one training step: start, gradients ready (local compute done), backward returned, end.
+
+    compute_s = (ready - start) + (end - returned): the rank's own work; wait_s = returned - ready: the last
+    all-reduce, including waiting for slower ranks. On CUDA the marks are events, read when the step is over.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, float | torch.cuda.Event] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks[name] = ev
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def host_elapsed_s(self) -> float:
+        """Host seconds since `start` (exact on CPU; on CUDA after synchronising, for the slowdown emulation)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return self.marks["start"].elapsed_time(self._now()) / 1e3
+        return time.perf_counter() - self.marks["start"]
+
+    def _now(self) -> torch.cuda.Event:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        ev.synchronize()
+        return ev
+
+    def read(self) -> tuple[float, float]:
+        """(compute_s, wait_s) of the finished step."""
+        m = self.marks
+        if "ready" not in m:  # no gradient hook ran (e.g. a world of one without DDP): all compute
+            m["ready"] = m["returned"] = m["end"]
+        if self.cuda:
+            m["end"].synchronize()
+            span = lambda a, b: m[a].elapsed_time(m[b]) / 1e3
+        else:
+            span = lambda a, b: m[b] - m[a]
+        wait = span("ready", "returned")
+        return span("start", "ready") + span("returned", "end"), wait
+
+
+@dataclass
+class HookState:
+    """Mutable state of the communication hook: this rank's gradient weight and the step's clock."""
+    weight: float
+    clock: StepClock | None = None
+    on_ready: Callable[[], None] | None = None  # called once per step when local gradients are complete
+
+
+def weighted_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Sum over ranks of weight_i * g_i: weight 1/world gives DDP's mean; b_i/B gives the global-batch gradient.
+
+    Buckets are reduced in order, so when the last one is handed over every local gradient is computed: that
+    instant ends the rank's compute (before any waiting), and is where an emulated slow rank spends its delay.
+    """
+    if bucket.is_last():
+        if state.clock is not None:
+            state.clock.mark("ready")
+        if state.on_ready is not None:
+            state.on_ready()
+    buf = bucket.buffer()
+    buf.mul_(state.weight)
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """All ranks' float64 rows, stacked in rank order: [world, *values.shape], on the CPU."""
+    t = values.to(device=device, dtype=torch.float64).contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out).cpu()
+
+
+def sum_all(values: torch.Tensor) -> torch.Tensor:
+    """Element-wise float64 sum over ranks (exact metric totals)."""
+    t = values.to(torch.float64).clone()
+    dist.all_reduce(t)
+    return t.cpu()
+
+
+def average_buffers(model: torch.nn.Module) -> None:
+    """Average floating buffers (batch-norm running statistics) over ranks, so every replica evaluates alike.
+
+    DDP is built with broadcast_buffers=False: its per-step broadcast from rank 0 would be a second sync point
+    inside forward and would bill waiting to compute time. Averaging once per epoch also uses every rank's
+    statistics instead of only rank 0's.
+    """
+    world = dist.get_world_size()
+    for b in model.buffers():
+        if b.is_floating_point():
+            dist.all_reduce(b)
+            b.div_(world)
+        else:
+            dist.broadcast(b, src=0)

@@ -1,0 +1,117 @@
+"""Heterogeneity emulation: per global rank, extra time inside each training step.
+
+Grammar (README has examples): items separated by ",", each `RANK:EFFECT[@WINDOW]`.
+  EFFECT  delay=S          constant S seconds per step (the paper's emulation)
+          exp=MEAN         exponentially distributed delay per step, mean MEAN seconds (the paper)
+          gamma=K/THETA    gamma distributed delay per step, shape K, scale THETA seconds (mean K*THETA)
+          slowdown=F       the rank computes F times slower: it waits (F-1) x its own measured compute
+  WINDOW  A-B | A-         epochs A..B (1-based, inclusive; open-ended without B)
+          sA-B | sA-       global steps A..B (0-based, counted over the whole run)
+          cycle=P/ON       in every P global steps, active during the first ON (an on/off noisy neighbour)
+A rank may carry several items; their delays add up.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampler import epoch_seed
+
+_ITEM = re.compile(r"^(\d+):(delay|exp|gamma|slowdown)=([^@]+)(?:@(.+))?$")
+
+
+@dataclass(frozen=True)
+class Effect:
+    kind: str                 # delay, exp, gamma, slowdown
+    params: tuple[float, ...]
+    window: tuple[str, int, int | None] | None = None  # ("epoch"|"step"|"cycle", a, b)
+
+    def active(self, epoch: int, step: int) -> bool:
+        if self.window is None:
+            return True
+        kind, a, b = self.window
+        if kind == "cycle":
+            return step % a < b
+        at = epoch if kind == "epoch" else step
+        return at >= a and (b is None or at <= b)
+
+
+def _number(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{text!r} must be a finite non-negative number")
+    return v
+
+
+def _window(text: str) -> tuple[str, int, int | None]:
+    m = re.fullmatch(r"cycle=(\d+)/(\d+)", text)
+    if m:
+        period, on = int(m[1]), int(m[2])
+        if period <= 0 or on > period:
+            raise ValueError(f"window {text!r}: need 0 < ON <= P")
+        return ("cycle", period, on)
+    m = re.fullmatch(r"(s?)(\d+)-(\d*)", text)
+    if not m:
+        raise ValueError(f"window {text!r} is not A-B, A-, sA-B, sA- or cycle=P/ON")
+    a, b = int(m[2]), (int(m[3]) if m[3] else None)
+    if b is not None and b < a:
+        raise ValueError(f"window {text!r} ends before it starts")
+    if not m[1] and a < 1:
+        raise ValueError(f"window {text!r}: epochs count from 1")
+    return ("step" if m[1] else "epoch", a, b)
+
+
+def parse_hetero(spec: str) -> dict[int, list[Effect]]:
+    """Parse a spec into {global rank: effects}; raises ValueError naming the bad part."""
+    out: dict[int, list[Effect]] = {}
+    for item in filter(None, (s.strip() for s in spec.replace(";", ",").split(","))):
+        m = _ITEM.match(item)
+        if not m:
+            raise ValueError(f"{item!r} is not RANK:EFFECT=VALUE[@WINDOW] with EFFECT delay, exp, gamma or slowdown")
+        rank, kind, value, window = int(m[1]), m[2], m[3], m[4]
+        parts = value.split("/")
+        if len(parts) != (2 if kind == "gamma" else 1):
+            raise ValueError(f"{item!r}: {kind} takes {'K/THETA' if kind == 'gamma' else 'one number'}")
+        params = tuple(_number(p) for p in parts)
+        if kind == "slowdown" and params[0] < 1:
+            raise ValueError(f"{item!r}: a slowdown factor is at least 1")
+        if kind == "gamma" and params[0] <= 0:
+            raise ValueError(f"{item!r}: the gamma shape must be positive")
+        out.setdefault(rank, []).append(Effect(kind, params, _window(window) if window else None))
+    return out
+
+
+class Emulator:
+    """The effects on one global rank; delay_s() is called once per step, when the rank's gradients are ready."""
+
+    def __init__(self, spec: str, rank: int, seed: int):
+        self.effects = parse_hetero(spec).get(rank, [])
+        self.rank, self.seed = rank, seed
+        self.rng = np.random.default_rng(0)
+
+    def start_epoch(self, epoch: int) -> None:
+        # Random delays are reproducible per (seed, rank, epoch), so a resumed run draws the same delays.
+        self.rng = np.random.default_rng(epoch_seed(self.seed, epoch, 1000 + self.rank))
+
+    @property
+    def needs_compute_time(self) -> bool:
+        return any(e.kind == "slowdown" for e in self.effects)
+
+    def delay_s(self, epoch: int, step: int, compute_s: float) -> float:
+        """Seconds to wait at this step, given the step's own compute time so far (for slowdown)."""
+        total = 0.0
+        for e in self.effects:
+            if not e.active(epoch, step):
+                continue
+            if e.kind == "delay":
+                total += e.params[0]
+            elif e.kind == "exp":
+                total += self.rng.exponential(e.params[0]) if e.params[0] > 0 else 0.0
+            elif e.kind == "gamma":
+                total += self.rng.gamma(e.params[0], e.params[1])
+            else:
+                total += (e.params[0] - 1.0) * compute_s
+        return total

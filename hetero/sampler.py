@@ -1,0 +1,39 @@
+"""Per-rank index slices of one shared permutation per epoch, with the same number of steps on every rank.
+
+Step s of an epoch consumes the global-batch window perm[s*B:(s+1)*B]; rank r takes the part of that window at
+offset sum(b[:r]) of length b[r]. So slices are disjoint by construction, every rank runs floor(N/B) steps,
+each sample is seen at most once per epoch and only the N mod B < B samples past the last window are left out.
+Because the cut is made per step, batch sizes may change at any step (mid-epoch rebalancing) and the
+not-yet-seen part of the permutation is simply cut differently: nothing is repeated or dropped.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def epoch_seed(seed: int, epoch: int, salt: int = 0) -> int:
+    """A deterministic seed per (run seed, epoch, salt): resuming a run needs no saved RNG state."""
+    return int(np.random.SeedSequence([seed, epoch, salt]).generate_state(1)[0])
+
+
+class EpochPlan:
+    """The shared permutation of one epoch; identical on every rank (seeded by run seed and epoch)."""
+
+    def __init__(self, n_samples: int, global_batch: int, seed: int, epoch: int):
+        if global_batch > n_samples:
+            raise ValueError(f"global batch {global_batch} exceeds the {n_samples} training samples")
+        self.global_batch = global_batch
+        self.steps = n_samples // global_batch
+        gen = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+        self.perm = torch.randperm(n_samples, generator=gen)
+
+    def indices(self, step: int, sizes, rank: int) -> torch.Tensor:
+        """Sample indices of `rank` at `step`, given every rank's batch size for that step (sizes sum to B)."""
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} outside 0..{self.steps - 1}")
+        sizes = [int(b) for b in sizes]
+        if sum(sizes) != self.global_batch:
+            raise ValueError(f"batch sizes {sizes} do not sum to the global batch {self.global_batch}")
+        start = step * self.global_batch + sum(sizes[:rank])
+        return self.perm[start:start + sizes[rank]]

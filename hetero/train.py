@@ -1,0 +1,377 @@
+"""The heterogeneity-aware DDP trainer. Launch with torchrun:
+
+    torchrun --standalone --nproc-per-node=2 -m hetero.train --model tiny --data synthetic --epochs 3 \
+        --scheme edp --hetero 1:slowdown=3
+    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 \
+        --rdzv-id=job1 -m hetero.train --model vgg16          # and --node-rank=1 on the second node
+    python -m hetero.train ...                                  # a world of one, no torchrun needed
+
+Each step every rank takes its slice of the shared permutation (sampler.py), computes its gradient, and the
+DDP communication hook sums weight_i * g_i (dist.py). The balancer (partition.py) re-decides the batch sizes
+from each rank's own compute time, measured up to the moment its gradients are ready, before any waiting.
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import __version__
+from .config import Config, ConfigError, default_run_dir, parse_args
+from .data import DataError, DataSet, DeviceLoader, load_data
+from .dist import (HookState, StepClock, World, average_buffers, env_world, gather_rows, setup, sum_all,
+                   teardown, weighted_allreduce_hook, wrap_ddp)
+from .emulator import Emulator
+from .models import build_model
+from .partition import SCHEMES, Balancer
+from .runlog import RunFolder, check_run_dir
+from .sampler import EpochPlan, epoch_seed
+
+
+class TrainingError(RuntimeError):
+    """A fault during training (non-finite loss, bad replay): one clear line, the run marked failed."""
+
+
+def evaluate(model: torch.nn.Module, loader: DeviceLoader, batch: int) -> torch.Tensor:
+    """[loss sum, top-1 correct, top-5 correct, count] over this rank's test slice (sum over ranks for totals)."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=loader.device)
+    with torch.no_grad():
+        for start in range(0, len(loader), batch):
+            x, y = loader.batch(torch.arange(start, min(start + batch, len(loader))))
+            out = model(x).float()
+            top5 = out.topk(min(5, out.shape[1]), dim=1).indices
+            hit = top5 == y[:, None]
+            sums += torch.stack([F.cross_entropy(out, y, reduction="sum"), hit[:, 0].sum(),
+                                 hit.any(1).sum(), torch.tensor(len(y), device=out.device)]).double()
+    model.train()
+    return sums
+
+
+def run_metadata(cfg: Config, world: World, run_dir: Path) -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    import torchvision
+    ranks = [None] * world.world
+    dist.all_gather_object(ranks, {"host": socket.gethostname(), "device": str(world.device),
+                                   "threads": torch.get_num_threads()})
+    return {"config": cfg.to_dict(), "run_dir": str(run_dir), "world_size": world.world, "backend": world.backend,
+            "ranks": ranks, "host": socket.gethostname(), "git_commit": git("rev-parse", "HEAD") or "unknown",
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "versions": {"hetero": __version__, "python": platform.python_version(), "torch": torch.__version__,
+                         "torchvision": torchvision.__version__, "numpy": np.__version__},
+            "started": datetime.now().isoformat(timespec="seconds"),
+            "torchrun": {k: os.environ[k] for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                                   "LOCAL_WORLD_SIZE") if k in os.environ}}
+
+
+def load_replay(run: Path, cfg: Config, world: int) -> dict[int, np.ndarray]:
+    """Recorded batch sizes {epoch: [steps, world]} of an earlier run, to train with the same partition."""
+    import pandas as pd
+
+    path = run / "steps.csv"
+    if not path.exists():
+        raise ConfigError(f"cannot replay {run}: it has no steps.csv")
+    df = pd.read_csv(path)
+    if df["rank"].nunique() != world:
+        raise ConfigError(f"cannot replay {run}: it ran {df['rank'].nunique()} ranks, this run has {world}")
+    out = {}
+    for epoch, g in df.groupby("epoch"):
+        sizes = g.pivot(index="step", columns="rank", values="batch_size").to_numpy(np.int64)
+        if not np.all(sizes.sum(1) == cfg.global_batch):
+            raise ConfigError(f"cannot replay {run}: its global batch is not {cfg.global_batch}")
+        out[int(epoch)] = sizes
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: Config, world: World, data: DataSet, run_dir: Path, replay: dict | None):
+        self.cfg, self.world, self.replay = cfg, world, replay
+        self.scheme = SCHEMES[cfg.scheme]
+        dev = world.device
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
+        model = build_model(cfg.model, len(data.classes)).to(dev)
+        self.model = model
+        self.ddp = wrap_ddp(model, dev)
+        self.hook = HookState(weight=1.0 / world.world)
+        self.ddp.register_comm_hook(self.hook, weighted_allreduce_hook)
+        self.opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0,
+                                   weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
+        self.balancer = Balancer(self.scheme.rule, world.world, cfg.global_batch, cfg.min_batch,
+                                 cfg.max_batch or None, cfg.smoothing, cfg.deadband)
+        self.emulator = Emulator(cfg.hetero, world.rank, cfg.seed)
+        self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment)
+        lo, hi = (len(data.test_y) * world.rank) // world.world, (len(data.test_y) * (world.rank + 1)) // world.world
+        self.test = DeviceLoader(data.test_x[lo:hi], data.test_y[lo:hi], data.mean, data.std, dev, augment=False)
+        self.folder = RunFolder(run_dir) if world.is_main else None
+        self.epoch, self.train_time_s, self.global_step = 0, 0.0, 0
+        self.history: list[dict] = []
+
+    # -- checkpoint -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
+                "scheduler": self.sched.state_dict(), "balancer": self.balancer.state_dict(),
+                "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed}, "epoch": self.epoch,
+                "train_time_s": self.train_time_s, "global_step": self.global_step, "history": self.history,
+                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.model.load_state_dict(s["model"])
+        self.opt.load_state_dict(s["optimizer"])
+        self.sched.load_state_dict(s["scheduler"])
+        self.balancer.load_state_dict(s["balancer"])
+        self.epoch, self.train_time_s, self.global_step = s["epoch"], s["train_time_s"], s["global_step"]
+        self.history = s["history"]
+        torch.set_rng_state(s["rng"]["torch"])
+        np.random.set_state(s["rng"]["numpy"])
+
+    # -- one epoch --------------------------------------------------------------------------------------------
+    def sizes_for(self, epoch: int, step: int) -> np.ndarray:
+        if self.replay is not None:
+            if epoch not in self.replay or step >= len(self.replay[epoch]):
+                raise TrainingError(f"the replayed run has no batch sizes for epoch {epoch} step {step}")
+            return self.replay[epoch][step]
+        return self.balancer.sizes_for_step(step)
+
+    def rebalance(self, sizes: np.ndarray, compute_s: np.ndarray) -> None:
+        """Collective: every rank gathers all ranks' step compute times and runs the same pure decision."""
+        times = gather_rows(torch.from_numpy(compute_s), self.world.device).numpy().T  # [steps, world]
+        if self.replay is None:
+            self.balancer.observe(sizes, times)
+            self.balancer.decide()
+
+    def train_epoch(self, epoch: int, bar) -> dict:
+        cfg, w, rank = self.cfg, self.world, self.world.rank
+        plan = EpochPlan(len(self.train), cfg.global_batch, cfg.seed, epoch)
+        self.train.seed(epoch_seed(cfg.seed, epoch, 2000 + rank))
+        self.emulator.start_epoch(epoch)
+        steps = plan.steps
+        sizes = np.zeros((steps, w.world), np.int64)
+        compute, wait, delay = np.zeros(steps), np.zeros(steps), np.zeros(steps)
+        sums = torch.zeros(3, dtype=torch.float64, device=w.device)  # loss sum, correct, count
+        first_bad = torch.tensor(-1, device=w.device)
+        last_decision = 0
+        t0 = time.perf_counter()
+        for step in range(steps):
+            if cfg.rebalance_every and step and step % cfg.rebalance_every == 0:
+                self.rebalance(sizes[last_decision:step], compute[last_decision:step])
+                last_decision = step
+            sizes[step] = self.sizes_for(epoch, step)
+            b = int(sizes[step, rank])
+            self.hook.weight = b / cfg.global_batch if self.scheme.weighted else 1.0 / w.world
+            clock = StepClock(w.device)
+            self.hook.clock = clock
+            self.hook.on_ready = self._delay_hook(epoch, step, clock, delay) if self.emulator.effects else None
+            clock.mark("start")
+            x, y = self.train.batch(plan.indices(step, sizes[step], rank))
+            out = self.ddp(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            clock.mark("returned")
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                sums += torch.stack([loss.detach().double() * b, (out.argmax(1) == y).sum().double(),
+                                     torch.tensor(b, dtype=torch.float64, device=w.device)])
+                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
+                                        torch.tensor(step, device=w.device), first_bad)
+            clock.mark("end")
+            compute[step], wait[step] = clock.read()
+            self.global_step += 1
+            if bar is not None:
+                bar.update(1)
+        bad = gather_rows(first_bad.reshape(1), w.device).flatten()
+        if (bad >= 0).any():
+            step = int(bad[bad >= 0].min())
+            raise TrainingError(f"non-finite loss at epoch {epoch} step {step}: stopping (lower --lr?); the last "
+                                f"good checkpoint is epoch {epoch - 1}")
+        per_rank = gather_rows(torch.from_numpy(np.stack([compute, wait, delay])), w.device).numpy()
+        if self.replay is None and self.balancer.rule != "static":
+            self.balancer.observe(sizes[last_decision:], per_rank[:, 0, last_decision:].T)
+            self.balancer.decide()
+        train_s = time.perf_counter() - t0
+        totals = sum_all(sums)
+        return {"sizes": sizes, "per_rank": per_rank, "train_s": train_s,
+                "train_loss": float(totals[0] / totals[2]), "train_top1": float(totals[1] / totals[2])}
+
+    def _delay_hook(self, epoch: int, step: int, clock: StepClock, delay: np.ndarray):
+        def on_ready() -> None:
+            own = clock.host_elapsed_s() if self.emulator.needs_compute_time else 0.0
+            d = self.emulator.delay_s(epoch, self.global_step, own)
+            delay[step] = d
+            if d > 0:
+                time.sleep(d)
+        return on_ready
+
+    # -- the run ----------------------------------------------------------------------------------------------
+    def fit(self) -> dict:
+        cfg, w = self.cfg, self.world
+        from tqdm import tqdm
+
+        while self.epoch < cfg.epochs:
+            epoch = self.epoch + 1
+            lr = self.opt.param_groups[0]["lr"]
+            steps = len(self.train) // cfg.global_batch
+            bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", leave=False, dynamic_ncols=True,
+                       file=sys.stderr) if w.is_main else None
+            r = self.train_epoch(epoch, bar)
+            if bar is not None:
+                bar.close()
+            t_eval = time.perf_counter()
+            average_buffers(self.model)
+            ev = sum_all(evaluate(self.model, self.test, cfg.eval_batch))
+            eval_s = time.perf_counter() - t_eval
+            self.sched.step()
+            self.epoch, self.train_time_s = epoch, self.train_time_s + r["train_s"]
+            row = self._record(epoch, r, ev, eval_s, lr)
+            if w.is_main:
+                self.folder.save_checkpoint(self.state_dict())
+                self.folder.write_json("summary.json", self.summary("running"))
+                print(self._line(row), flush=True)
+        return self.summary("completed")
+
+    def _record(self, epoch: int, r: dict, ev: torch.Tensor, eval_s: float, lr: float) -> dict:
+        sizes, per_rank = r["sizes"], r["per_rank"]  # [steps, world], [world, 3, steps]
+        compute_total = per_rank[:, 0].sum(1)
+        row = {"epoch": epoch, "train_time_s": self.train_time_s, "epoch_time_s": r["train_s"], "eval_time_s": eval_s,
+               "train_loss": r["train_loss"], "train_top1": r["train_top1"],
+               "test_loss": float(ev[0] / ev[3]), "test_top1": float(ev[1] / ev[3]), "test_top5": float(ev[2] / ev[3]),
+               "lr": lr, "balance_eff": float(compute_total.mean() / max(compute_total.max(), 1e-12)),
+               "steps": len(sizes), "samples": int(sizes.sum()), "global_batch": self.cfg.global_batch}
+        self.history.append(row)
+        if self.folder is None:
+            return row
+        ranks = [{"epoch": epoch, "rank": i, "share": float(sizes[:, i].mean() / self.cfg.global_batch),
+                  "batch_size": int(sizes[-1, i]), "steps": len(sizes), "samples": int(sizes[:, i].sum()),
+                  "compute_s": float(per_rank[i, 0].sum()), "wait_s": float(per_rank[i, 1].sum()),
+                  "delay_s": float(per_rank[i, 2].sum())}
+                 for i in range(self.world.world)]
+        steps = [{"epoch": epoch, "step": s, "rank": i, "batch_size": int(sizes[s, i]),
+                  "compute_s": float(per_rank[i, 0, s]), "wait_s": float(per_rank[i, 1, s]),
+                  "delay_s": float(per_rank[i, 2, s])}
+                 for s in range(len(sizes)) for i in range(self.world.world)]
+        self.folder.append("epochs", [row])
+        self.folder.append("ranks", ranks)
+        self.folder.append("steps", steps)
+        row["shares"] = [d["share"] for d in ranks]
+        return row
+
+    def _line(self, row: dict) -> str:
+        shares = "/".join(f"{s:.2f}" for s in row["shares"])
+        return (f"epoch {row['epoch']:>3}/{self.cfg.epochs} | train loss {row['train_loss']:.3f} "
+                f"top1 {100 * row['train_top1']:5.1f}% | test loss {row['test_loss']:.3f} "
+                f"top1 {100 * row['test_top1']:5.1f}% top5 {100 * row['test_top5']:5.1f}% | "
+                f"{row['epoch_time_s']:.1f} s (+{row['eval_time_s']:.1f} s eval) | shares {shares} | "
+                f"balance {row['balance_eff']:.2f}")
+
+    def summary(self, status: str, error: str = "") -> dict:
+        h = self.history
+        return {"status": status, "error": error, "scheme": self.cfg.scheme, "model": self.cfg.model,
+                "hetero": self.cfg.hetero, "world_size": self.world.world, "epochs_completed": self.epoch,
+                "epochs": self.cfg.epochs, "train_time_s": self.train_time_s,
+                "final_test_top1": h[-1]["test_top1"] if h else None,
+                "best_test_top1": max(r["test_top1"] for r in h) if h else None,
+                "final_test_loss": h[-1]["test_loss"] if h else None,
+                "mean_balance_eff": float(np.mean([r["balance_eff"] for r in h])) if h else None}
+
+
+def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
+    """The run folder and whether to resume: explicit, or after a torchrun restart the same one again."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    run_dir = cfg.resume or cfg.run_dir
+    if not run_dir:
+        if run_id and run_id != "none":  # stable over torchrun restarts and the same on every node
+            run_dir = str(Path("runs") / f"{cfg.model}-{cfg.scheme}-{run_id[:12]}")
+        else:
+            run_dir = str(default_run_dir(cfg, datetime.now().strftime("%Y%m%d-%H%M%S")))
+    resume = bool(cfg.resume) or (restarted and (Path(run_dir) / "checkpoint.pt").exists())
+    return Config(**{**cfg.to_dict(), "run_dir": run_dir}), resume
+
+
+def main(argv: list[str] | None = None) -> int:
+    rank, world_size, _ = env_world()
+    say = (lambda msg: print(f"hetero: error: {msg}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    try:
+        cfg, ns = parse_args(argv)
+        if cfg.resume:  # continue with the recorded configuration
+            saved = RunFolder(Path(cfg.resume)).read_json("config.json")["config"] \
+                if (Path(cfg.resume) / "config.json").exists() else None
+            if saved is None:
+                raise ConfigError(f"cannot resume {cfg.resume}: it holds no config.json")
+            cfg = Config(**{**saved, "resume": cfg.resume, "run_dir": cfg.resume, "overwrite": False})
+        cfg.check_world(world_size)
+        cfg, resume = resolve_run_dir(cfg)
+        if rank == 0:
+            check_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
+        data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
+        if cfg.global_batch > len(data.train_y):
+            raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")
+        replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
+        if ns.check:
+            return 0
+    except (ConfigError, DataError) as e:
+        say(e)
+        return 2
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    elif cfg.device != "cuda":  # ranks sharing a host share its cores instead of each taking all of them
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+    def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
+    signal.signal(signal.SIGTERM, on_term)
+
+    trainer = None
+    try:
+        world = setup(cfg.device, cfg.backend, cfg.timeout_s)
+        run_dir = Path(cfg.run_dir)
+        trainer = Trainer(cfg, world, data, run_dir, replay)
+        if resume:
+            state = [RunFolder(run_dir).load_checkpoint() if world.is_main else None]
+            dist.broadcast_object_list(state, src=0)
+            trainer.load_state_dict(state[0])
+        meta = run_metadata(cfg, world, run_dir)
+        if world.is_main:
+            trainer.folder.start(meta, trainer.epoch if resume else None, cfg.overwrite)
+            print(f"hetero: {cfg.model} {cfg.scheme} on {world.world} rank(s) ({world.backend}), run folder "
+                  f"{run_dir}" + (f", resuming after epoch {trainer.epoch}" if resume else ""), flush=True)
+        summary = trainer.fit()
+        if world.is_main:
+            trainer.folder.write_json("summary.json", summary)
+            print(f"hetero: done in {summary['train_time_s']:.1f} s of training; final test top-1 "
+                  f"{100 * summary['final_test_top1']:.2f}%; {run_dir}", flush=True)
+        return 0
+    except BaseException as e:  # noqa: BLE001 - mark the run failed whatever stopped it, then re-raise or exit
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        msg = str(e) if isinstance(e, (TrainingError, SystemExit)) else f"{type(e).__name__}: {e}"
+        if trainer is not None and trainer.folder is not None and trainer.folder.path.exists():
+            trainer.folder.write_json("summary.json", trainer.summary("failed", msg))
+        print(f"hetero: rank {rank}: error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr,
+              flush=True)
+        return 1
+    finally:
+        teardown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

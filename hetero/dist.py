@@ -70,8 +70,11 @@ def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DDP:
     return DDP(model, device_ids=ids, broadcast_buffers=False)
 
 
-def teardown() -> None:
+def teardown(ok: bool) -> None:
+    """Leave the group; after a clean finish first wait for every rank, so none exits mid-collective."""
     if dist.is_initialized():
+        if ok:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -136,10 +139,10 @@ def weighted_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.
     instant ends the rank's compute (before any waiting), and is where an emulated slow rank spends its delay.
     """
     if bucket.is_last():
+        if state.on_ready is not None:  # an emulated slow rank spends its extra time here, as compute
+            state.on_ready()
         if state.clock is not None:
             state.clock.mark("ready")
-        if state.on_ready is not None:
-            state.on_ready()
     buf = bucket.buffer()
     buf.mul_(state.weight)
     fut = dist.all_reduce(buf, async_op=True).get_future()

@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
     signal.signal(signal.SIGTERM, on_term)
 
-    trainer = None
+    trainer, ok = None, False
     try:
         world = setup(cfg.device, cfg.backend, cfg.timeout_s)
         run_dir = Path(cfg.run_dir)
@@ -360,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.folder.write_json("summary.json", summary)
             print(f"hetero: done in {summary['train_time_s']:.1f} s of training; final test top-1 "
                   f"{100 * summary['final_test_top1']:.2f}%; {run_dir}", flush=True)
+        ok = True
         return 0
     except BaseException as e:  # noqa: BLE001 - mark the run failed whatever stopped it, then re-raise or exit
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -370,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return 1
     finally:
-        teardown()
+        teardown(ok)
 
 
 if __name__ == "__main__":

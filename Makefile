@@ -44,5 +44,14 @@ experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment M
 test: $(STAMP)  ## the test suite (CPU, gloo; a few minutes on 2 cores)
 	$(BIN)/python -m pytest -q tests
 
+# --- grids and reports (notebooks) ---
+# --- end grids and reports ---
+
+# --- simulator ---
+# --- end simulator ---
+
+# --- benchmarks ---
+# --- end benchmarks ---
+
 clean-venv:  ## remove the virtual environment
 	rm -rf $(VENV)

@@ -1,0 +1,54 @@
+"""Shared test helpers: run the real command line (python -m hetero.train, under torchrun) in a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
+
+# Small, fast defaults for CPU runs: tiny model, synthetic data, no augmentation noise in timing.
+TINY = ["--model", "tiny", "--data", "synthetic", "--subset", "2048", "--test-subset", "512",
+        "--global-batch", "128", "--epochs", "2"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: float = 300, torchrun_args: list[str] | None = None,
+              check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m hetero.train ARGS` (nproc=0) or `torchrun --standalone --nproc-per-node=N -m hetero.train ARGS`."""
+    if nproc == 0:
+        cmd = [sys.executable, "-m", "hetero.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *(torchrun_args or ["--standalone"]),
+               f"--nproc-per-node={nproc}", "-m", "hetero.train", *args]
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n"
+                             f"--- stderr\n{p.stderr[-6000:]}")
+    return p
+
+
+def read_run(run_dir: Path) -> dict:
+    """The run folder's tables and JSON files."""
+    out = {t: pd.read_csv(run_dir / f"{t}.csv") for t in ("epochs", "ranks", "steps")}
+    out["summary"] = json.loads((run_dir / "summary.json").read_text())
+    out["config"] = json.loads((run_dir / "config.json").read_text())
+    return out
+
+
+@pytest.fixture
+def env() -> dict[str, str]:
+    return _env()

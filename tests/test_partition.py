@@ -1,0 +1,72 @@
+"""Partition maths: batch sizes sum exactly, bounds hold, the paper's rule has equal step times as fixed point."""
+import numpy as np
+import pytest
+
+from hetero.partition import Balancer, batch_sizes, check_feasible, proportional_shares
+
+
+def test_batch_sizes_random_properties():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        n = int(rng.integers(1, 17))
+        lo = int(rng.integers(0, 4))
+        B = int(rng.integers(max(n * lo, 1), 600))
+        hi = None if rng.random() < 0.5 else int(rng.integers(max(lo, -(-B // n)), B + 2))
+        shares = rng.dirichlet(np.ones(n)) * (rng.random(n) > 0.2)
+        if shares.sum() == 0:
+            shares[0] = 1.0
+        b = batch_sizes(shares, B, lo, hi)
+        assert b.dtype.kind == "i" and b.sum() == B
+        assert b.min() >= lo and (hi is None or b.max() <= hi)
+        if hi is None and lo <= 1:  # unconstrained: within one sample of the exact proportional split
+            assert np.all(np.abs(b - np.maximum(shares / shares.sum() * B, lo)) < 1 + n * lo)
+
+
+def test_batch_sizes_exact_cases():
+    assert batch_sizes([0.5, 0.5], 256).tolist() == [128, 128]
+    assert batch_sizes([1, 1, 1], 250).sum() == 250          # 250 and 100 broke the first implementation
+    assert batch_sizes([1, 1, 1], 100).tolist() in ([34, 33, 33], [33, 34, 33], [33, 33, 34])
+    assert batch_sizes([1.0, 0.0], 256, min_batch=1).tolist() == [255, 1]  # never a zero share (deadlock)
+    assert batch_sizes([0.9, 0.1], 100, min_batch=20).tolist() == [80, 20]
+    assert batch_sizes([0.9, 0.1], 100, max_batch=60).tolist() == [60, 40]
+
+
+def test_infeasible_bounds_fail_clearly():
+    with pytest.raises(ValueError, match="smaller than 4 ranks"):
+        check_feasible(4, 3, 1)
+    with pytest.raises(ValueError, match="exceeds"):
+        batch_sizes([1, 1], 100, 1, 40)
+
+
+def test_proportional_rule_fixed_point_is_equal_step_time():
+    # Step time proportional to batch: t_i = b_i * c_i. Iterating the paper's rule converges to equal t_i.
+    c = np.array([1.0, 3.0, 1.5, 0.5])
+    shares = np.full(4, 0.25)
+    for _ in range(20):
+        b = shares * 1024
+        shares = proportional_shares(b, b * c)
+    assert shares.sum() == pytest.approx(1.0)
+    t = shares * 1024 * c
+    assert np.ptp(t) / t.mean() < 1e-9
+    assert shares == pytest.approx((1 / c) / (1 / c).sum())
+    # ... and equal step times are a fixed point: the rule leaves them unchanged.
+    assert proportional_shares(shares * 1024, t) == pytest.approx(shares)
+
+
+def test_balancer_static_never_moves_and_proportional_follows_speed():
+    static = Balancer("static", 2, 256)
+    static.observe([[128, 128]], [[1.0, 3.0]])
+    assert not static.decide() and static.sizes.tolist() == [128, 128]
+    dp = Balancer("proportional", 2, 256)
+    dp.observe([[128, 128]] * 4, [[1.0, 3.0]] * 4)
+    assert dp.decide() and dp.sizes.tolist() == [192, 64]
+    assert dp.shares.sum() == pytest.approx(1.0)
+
+
+def test_balancer_state_roundtrip():
+    a = Balancer("proportional", 3, 300, smoothing=0.5)
+    a.observe([[100, 100, 100]], [[1.0, 2.0, 4.0]])
+    a.decide()
+    b = Balancer("proportional", 3, 300, smoothing=0.5)
+    b.load_state_dict(a.state_dict())
+    assert b.sizes.tolist() == a.sizes.tolist() and b.shares == pytest.approx(a.shares)

@@ -1,0 +1,255 @@
+"""The GPU check (issue 5): one GPU, under 5 minutes, no internet (synthetic data only).
+
+    python3 scripts/gpu_check.py --out gpu_check.json            # on the GPU machine, from the repository root
+    python scripts/gpu_check.py --smoke --out /tmp/gpu_check.json # CPU, tiny sizes: does it run end to end?
+
+1. throughput, VGG16 and ResNet50 (CIFAR form, batch 256, float32): samples/s of the raw training step measured
+   here (the model, SGD, one fixed batch already on the device; no DDP, no data pipeline), the same with a
+   device synchronisation after every step (the trainer reads its step clock every step), and the trainer on
+   one rank (`python -m hetero.train`, a world of one, synthetic data, no augmentation), median over the
+   epochs after the first.
+2. two ranks on the one GPU (gloo, since NCCL refuses two ranks on one device), rank 1 slowed, every scheme:
+   steady-state epoch time, final shares, speedup over sync.
+The figures go to --out as JSON and, next to it, as a markdown table (.md), rewritten after every part so that
+a run cut short still leaves what it measured. Needs torch (2.4 or later) and torchvision; not pandas.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SCHEMES = ("sync", "dp", "edp", "affine")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    device: str
+    models: tuple[str, ...]       # throughput part
+    batch: int                    # global batch everywhere
+    raw_steps: int                # timed raw steps (after `warmup`)
+    warmup: int
+    subset: int                   # training samples of a single-rank trainer run
+    epochs: int
+    pair_model: str               # two-rank part
+    pair_subset: int
+    pair_epochs: int
+    pair_hetero: str
+    test_subset: int
+    budget_s: float               # the whole check stops starting new parts after this long
+
+
+GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680, 3, "1:slowdown=3", 1000, 270)
+SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64, 120)
+
+
+def raw_samples_s(name: str, s: Sizes, sync_each: bool) -> float:
+    """Samples/s of plain forward, backward and SGD step on one fixed batch held on the device."""
+    import torch
+    import torch.nn.functional as F
+
+    from hetero.models import build_model
+
+    dev = torch.device(s.device)
+    if dev.type == "cpu":  # as the trainer's CPU runs (--threads 1)
+        torch.set_num_threads(1)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = build_model(name).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    x, y = torch.randn(s.batch, 3, 32, 32, device=dev), torch.randint(0, 10, (s.batch,), device=dev)
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sync_each:
+            sync()
+    for _ in range(s.warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(s.raw_steps):
+        step()
+    sync()
+    rate = s.batch * s.raw_steps / (time.perf_counter() - t0)
+    del model, opt, x, y
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rate
+
+
+def _env() -> dict[str, str]:
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def trainer(nproc: int, args: list[str], log: Path, timeout_s: float) -> None:
+    """The trainer: `python -m hetero.train` (nproc 1, a world of one) or under torchrun; raises on failure."""
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    cmd = [sys.executable, *launch, "-m", "hetero.train", *args]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        fh.write(" ".join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
+                            timeout=max(timeout_s, 1)).returncode
+    if rc:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-12:])
+        raise RuntimeError(f"exit {rc}; log {log}:\n{tail}")
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _steady_epoch_s(run: Path) -> tuple[float, int, int]:
+    """(median epoch_time_s over the epochs after the first, steps, samples per epoch)."""
+    rows = _rows(run / "epochs.csv")
+    later = [r for r in rows if int(r["epoch"]) >= 2] or rows
+    return statistics.median(float(r["epoch_time_s"]) for r in later), int(rows[0]["steps"]), int(rows[0]["samples"])
+
+
+def common_args(s: Sizes, model: str, subset: int, epochs: int, run: Path) -> list[str]:
+    args = ["--model", model, "--data", "synthetic", "--subset", str(subset), "--test-subset", str(s.test_subset),
+            "--global-batch", str(s.batch), "--epochs", str(epochs), "--augment", "false", "--device", s.device,
+            "--run-dir", str(run), "--overwrite"]
+    return args + (["--threads", "1"] if s.device == "cpu" else [])
+
+
+def throughput(s: Sizes, work: Path, left) -> list[dict]:
+    out = []
+    for name in s.models:
+        row: dict = {"model": name, "batch": s.batch}
+        try:
+            row["raw_samples_s"] = raw_samples_s(name, s, sync_each=False)
+            row["raw_synced_samples_s"] = raw_samples_s(name, s, sync_each=True)
+            run = work / f"single-{name}"
+            trainer(1, common_args(s, name, s.subset, s.epochs, run) + ["--scheme", "sync"],
+                    work / "logs" / f"single-{name}.log", left())
+            epoch_s, steps, samples = _steady_epoch_s(run)
+            row.update(trainer_samples_s=samples / epoch_s, steps_per_epoch=steps, run_dir=str(run))
+            row["trainer_over_raw"] = row["trainer_samples_s"] / row["raw_samples_s"]
+            row["trainer_over_raw_synced"] = row["trainer_samples_s"] / row["raw_synced_samples_s"]
+        except Exception as e:  # noqa: BLE001 - record it and go on with the next model
+            row["error"] = f"{type(e).__name__}: {e}"
+        out.append(row)
+    return out
+
+
+def pair(s: Sizes, work: Path, left, schemes: tuple[str, ...]) -> dict:
+    res: dict = {"model": s.pair_model, "hetero": s.pair_hetero, "backend": "gloo", "ranks": 2, "rows": []}
+    for scheme in schemes:
+        row: dict = {"scheme": scheme}
+        if left() < 20:
+            row["error"] = "skipped: out of time"
+            res["rows"].append(row)
+            continue
+        run = work / f"pair-{scheme}"
+        try:
+            trainer(2, common_args(s, s.pair_model, s.pair_subset, s.pair_epochs, run) +
+                    ["--scheme", scheme, "--hetero", s.pair_hetero, "--backend", "gloo"],
+                    work / "logs" / f"pair-{scheme}.log", left())
+            row["epoch_s"], row["steps"], _ = _steady_epoch_s(run)
+            ranks = _rows(run / "ranks.csv")
+            last = max(int(r["epoch"]) for r in ranks)
+            row["shares"] = [round(float(r["share"]), 3) for r in ranks if int(r["epoch"]) == last]
+            row["compute_s"] = [float(r["compute_s"]) for r in ranks if int(r["epoch"]) == last]
+            row["wait_s"] = [float(r["wait_s"]) for r in ranks if int(r["epoch"]) == last]
+            row["balance_eff"] = float(_rows(run / "epochs.csv")[-1]["balance_eff"])
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"
+        res["rows"].append(row)
+    sync = next((r.get("epoch_s") for r in res["rows"] if r["scheme"] == "sync"), None)
+    for r in res["rows"]:
+        if sync and r.get("epoch_s"):
+            r["speedup_vs_sync"] = sync / r["epoch_s"]
+    return res
+
+
+def markdown(res: dict) -> str:
+    m = res["meta"]
+    lines = [f"# GPU check, {m['date']}, {m['host']}: {m['device_name']} (torch {m['torch']})", "",
+             f"`{m['command']}`", "", "## Throughput, one rank (samples/s)", "",
+             "| model | batch | raw step | raw, synced each step | trainer | trainer / raw | trainer / raw synced |",
+             "|---|---|---|---|---|---|---|"]
+    f = lambda r, k, fmt: format(r[k], fmt) if isinstance(r.get(k), float) else (r.get("error", "")[:60] or "-")
+    for r in res.get("throughput", []):
+        lines.append(f"| {r['model']} | {r['batch']} | {f(r, 'raw_samples_s', '.0f')} | "
+                     f"{f(r, 'raw_synced_samples_s', '.0f')} | {f(r, 'trainer_samples_s', '.0f')} | "
+                     f"{f(r, 'trainer_over_raw', '.3f')} | {f(r, 'trainer_over_raw_synced', '.3f')} |")
+    if p := res.get("pair"):
+        lines += ["", f"## Two ranks on one GPU ({p['backend']}), {p['model']}, --hetero {p['hetero']}", "",
+                  "| scheme | epoch s | speedup vs sync | shares | balance |", "|---|---|---|---|---|"]
+        for r in p["rows"]:
+            if "epoch_s" not in r:
+                lines.append(f"| {r['scheme']} | {r.get('error', '')[:80]} | | | |")
+                continue
+            lines.append(f"| {r['scheme']} | {r['epoch_s']:.3f} | {r.get('speedup_vs_sync', float('nan')):.2f}x | "
+                         f"{'/'.join(f'{v:.2f}' for v in r['shares'])} | {r['balance_eff']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON file for the figures (a .md table is written next to it)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes: checks that the script runs")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="schemes of the two-rank part")
+    p.add_argument("--work-dir", default="", help="run folders and logs (default runs/gpu_check/<time>)")
+    p.add_argument("--budget-s", type=float, help="stop starting new parts after this many seconds")
+    ns = p.parse_args(argv)
+    import torch
+
+    s = SMOKE if ns.smoke else GPU
+    if ns.budget_s:
+        s = Sizes(**{**asdict(s), "budget_s": ns.budget_s})
+    if s.device == "cuda" and not torch.cuda.is_available():
+        p.error("torch sees no GPU: run on the GPU machine, or pass --smoke for a CPU check")
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    work = Path(ns.work_dir or ROOT / "runs" / "gpu_check" / stamp)
+    out = Path(ns.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    left = lambda: s.budget_s - (time.perf_counter() - t0)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    res: dict = {"meta": {"date": datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(),
+                          "device_name": torch.cuda.get_device_name() if s.device == "cuda" else platform.processor()
+                          or "cpu", "torch": torch.__version__, "python": platform.python_version(),
+                          "git_commit": commit or "unknown", "smoke": ns.smoke, "sizes": asdict(s),
+                          "command": "python3 scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)}}
+
+    def save() -> None:
+        res["meta"]["wall_s"] = time.perf_counter() - t0
+        out.write_text(json.dumps(res, indent=1))
+        out.with_suffix(".md").write_text(markdown(res))
+
+    res["throughput"] = throughput(s, work, left)
+    save()
+    res["pair"] = pair(s, work, left, tuple(ns.schemes.split(",")))
+    save()
+    print(markdown(res), end="")
+    failed = [r for r in res["throughput"] + res["pair"]["rows"] if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,7 +2,8 @@
 
 No torch.distributed here (no torch at all): every rank runs the same functions on the same gathered numbers,
 so every rank reaches the same decision without another collective. Invariants: shares sum to 1; batch sizes
-are integers in [min_batch, max_batch] that sum exactly to the global batch.
+are integers in [min_batch, max_batch] (or 0 for a rank allowed to sit out) that sum exactly to the global batch.
+Everything is vectorised over ranks: one decision for 4096 ranks takes a few milliseconds.
 """
 from __future__ import annotations
 
@@ -50,21 +51,7 @@ def batch_sizes(shares, global_batch: int, min_batch=1, max_batch=None) -> np.nd
     if np.any(~np.isfinite(s)) or np.any(s < 0) or s.sum() <= 0:
         raise ValueError(f"shares must be finite, non-negative and not all zero (got {s.tolist()})")
     lo, hi = _as_bounds(n, min_batch, 0), _as_bounds(n, max_batch, np.inf)
-    # Bounded proportional allocation: ranks pinned at a bound leave the rest to be split by share.
-    x = np.clip(s / s.sum() * global_batch, lo, hi)
-    free = np.ones(n, dtype=bool)
-    for _ in range(n + 1):
-        pinned = ~free
-        rest = global_batch - x[pinned].sum()
-        w = s * free
-        x = np.where(free, rest * w / w.sum() if w.sum() > 0 else rest / free.sum(), x)
-        low, high = free & (x < lo), free & (x > hi)
-        if not (low.any() or high.any()):
-            break
-        x = np.clip(x, lo, hi)
-        free &= ~(low | high)
-        if not free.any():
-            break
+    x = _water_fill(s, global_batch, lo, np.minimum(hi, global_batch))
     # Largest-remainder rounding keeps the sum exact and every size within its bounds.
     b = np.clip(np.floor(x + 1e-9), lo, hi).astype(np.int64)
     short = global_batch - int(b.sum())
@@ -80,6 +67,29 @@ def batch_sizes(shares, global_batch: int, min_batch=1, max_batch=None) -> np.nd
     return b
 
 
+def _water_fill(w: np.ndarray, total: float, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Real sizes clip(lam*w, lo, hi) summing to total; zero-weight ranks take lo, or what the others cannot."""
+    pos = w > 0
+    if hi[pos].sum() + lo[~pos].sum() < total:  # the weighted ranks are all full: the others share the rest
+        x = np.where(pos, hi, 0.0)
+        x[~pos] = _water_fill(np.ones(int((~pos).sum())), total - hi[pos].sum(), lo[~pos], hi[~pos])
+        return x
+    lam_lo, lam_hi = 0.0, float(np.max(hi[pos] / w[pos]))
+    for _ in range(200):  # sum(clip(lam*w)) is continuous and monotone in lam
+        mid = 0.5 * (lam_lo + lam_hi)
+        if not lam_lo < mid < lam_hi:
+            break
+        if np.clip(mid * w, lo, hi).sum() < total:
+            lam_lo = mid
+        else:
+            lam_hi = mid
+    x = np.clip(lam_hi * w, lo, hi)
+    free = pos & (x > lo) & (x < hi)
+    if free.any():  # solve the free ranks' multiplier exactly, so the sum is total to rounding error
+        x[free] = w[free] * (total - x[~free].sum()) / w[free].sum()
+    return x
+
+
 def proportional_shares(samples, compute_s) -> np.ndarray:
     """The paper's rule: new shares proportional to measured throughput samples_i / compute_s_i (sum to 1)."""
     samples, compute_s = np.asarray(samples, float), np.asarray(compute_s, float)
@@ -87,78 +97,151 @@ def proportional_shares(samples, compute_s) -> np.ndarray:
     return rate / rate.sum()
 
 
-def fit_affine(batch, step_s) -> tuple[float, float]:
-    """Fit step_s = fixed_s + per_sample_s * batch for one rank, robust to outliers (medians per batch size).
+# -- the affine model: step_s = fixed_s + per_sample_s * batch, per rank ---------------------------------------
 
-    With a single distinct batch size the fixed part cannot be told apart: fall back to fixed_s = 0.
+STALL = 10.0  # a step slower than this many times its rank's median is a stall, clipped before fitting
+
+
+def window_stats(batch, step_s) -> np.ndarray:
+    """Sufficient statistics [6, world] (count, sum b, sum t, sum b², sum b·t, sum t²) of one window of steps.
+
+    batch and step_s are [steps, world]. Steps a rank sat out (batch 0) or did not time are left out. A step far
+    above the rank's median (a stall: more than STALL times it) is clipped to that level, so one hiccup cannot
+    move the fit, while random delays keep their mean (an exponential delay passes 10x its median once in 1000).
     """
-    batch, step_s = np.asarray(batch, float), np.asarray(step_s, float)
-    sizes = np.unique(batch[batch > 0])
-    if len(sizes) == 0:
-        return 0.0, float("nan")
-    med = np.array([np.median(step_s[batch == b]) for b in sizes])
-    if len(sizes) == 1:
-        return 0.0, float(med[0] / sizes[0])
-    counts = np.array([np.sum(batch == b) for b in sizes], float)
-    w = np.sqrt(counts)
-    A = np.stack([np.ones_like(sizes), sizes], 1) * w[:, None]
-    (fixed, per_sample), *_ = np.linalg.lstsq(A, med * w, rcond=None)
-    if per_sample <= 0:  # noise swamped the slope: treat the time as all per-sample
-        return 0.0, float(np.median(med / sizes))
-    return float(max(fixed, 0.0)), float(per_sample)
+    b, t = np.atleast_2d(np.asarray(batch, float)), np.atleast_2d(np.asarray(step_s, float))
+    ok = (b > 0) & np.isfinite(t)
+    every = ok.all()
+    if not every:
+        b, t = np.where(ok, b, 0.0), np.where(ok, t, np.inf)
+    # The median of at most 17 spread-out steps is plenty for a 10x threshold and costs one small partition.
+    rows = t[np.unique(np.linspace(0, len(t) - 1, min(len(t), 17)).astype(int))] if len(t) else t
+    k = (len(rows) - 1) // 2
+    med = np.partition(rows, k, axis=0)[k] if len(rows) else np.zeros(t.shape[1])
+    t = np.minimum(t, STALL * med)
+    if not every:
+        t = np.where(ok, t, 0.0)
+    dot = lambda x, y: np.einsum("ij,ij->j", x, y)  # noqa: E731 - column sums of products, no temporaries
+    return np.stack([ok.sum(0), b.sum(0), t.sum(0), dot(b, b), dot(b, t), dot(t, t)]).astype(float)
 
 
-def affine_batch_sizes(fixed_s, per_sample_s, global_batch: int, min_batch=1, max_batch=None) -> np.ndarray:
-    """Integer batch sizes minimising the slowest predicted step time max_i(fixed_i + per_sample_i * b_i).
+def fit_stats(stats: np.ndarray, prior_per_sample_s=None, prior_rel: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
+    """Least-squares fixed_s, per_sample_s [world] from pooled window statistics [6, world].
 
-    A rank whose fixed cost alone exceeds the balanced step time gets min_batch.
+    With a prior slope the fit is its Bayesian update (prior std prior_rel x prior): precise data overrule it,
+    a window with one batch size (no slope information) keeps it. Without a prior and without two distinct
+    batch sizes, the time is taken as all per-sample (the proportional model). Fixed parts are >= 0 and
+    per-sample costs > 0; ranks without observations come back as NaN.
     """
-    a, c = np.asarray(fixed_s, float), np.asarray(per_sample_s, float)
-    n = len(a)
-    check_feasible(n, global_batch, min_batch, max_batch)
-    c = np.maximum(c, 1e-12)
-    lo, hi = _as_bounds(n, min_batch, 0), _as_bounds(n, max_batch, np.inf)
-    hi_f = np.minimum(hi, global_batch)
-
-    def fill(T: float) -> np.ndarray:
-        return np.clip((T - a) / c, lo, hi_f)
-
-    t_lo, t_hi = float(np.min(a + c * lo)), float(np.max(a + c * hi_f))
-    for _ in range(100):  # bisection on the common step time T: sum(fill(T)) is monotone in T
-        mid = 0.5 * (t_lo + t_hi)
-        if fill(mid).sum() < global_batch:
-            t_lo = mid
+    n, sb, st, sbb, sbt, stt = stats
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mb, mt = sb / n, st / n
+        vbb = np.maximum(sbb - n * mb * mb, 0.0)
+        vbt = sbt - n * mb * mt
+        spread = vbb > 1e-9 * n * mb * mb  # below this the sizes differ only by float rounding: no slope at all
+        vbb, vbt = np.where(spread, vbb, 0.0), np.where(spread, vbt, 0.0)
+        resid = np.maximum(stt - n * mt * mt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / np.maximum(n - 2, 1)
+        origin = mt / mb
+        if prior_per_sample_s is None:
+            c = np.where(vbb > 0, vbt / vbb, origin)
+            c = np.where(c > 0, c, origin)  # noise swamped the slope: fall back to the proportional model
         else:
-            t_hi = mid
-    x = fill(t_hi)
-    b = np.clip(np.floor(x), lo, hi).astype(np.int64)
-    short = global_batch - int(b.sum())
-    while short > 0:  # hand out the remainder where it lengthens the slowest step least
-        nxt = a + c * (b + 1) + np.where(b < hi, 0, np.inf)
-        k = min(short, n)
-        take = np.argpartition(nxt, k - 1)[:k]
-        b[take] += 1
-        short -= k
-    while short < 0:
-        cur = a + c * b + np.where(b > lo, 0, -np.inf)
-        k = min(-short, n)
-        take = np.argpartition(-cur, k - 1)[:k]
-        b[take] -= 1
-        short += k
-    return b
+            c0 = np.where(np.isfinite(prior_per_sample_s) & (prior_per_sample_s > 0), prior_per_sample_s, origin)
+            kappa = resid / (prior_rel * c0) ** 2
+            c = np.where(vbb + kappa > 0, (vbt + kappa * c0) / (vbb + kappa), c0)
+            c = np.where(c > 0, c, c0)
+        c = np.minimum(c, origin)  # keeps the fixed part non-negative at the observed mean
+        a = mt - c * mb
+    return a, c
+
+
+def fit_affine(batch, step_s) -> tuple:
+    """Fit step_s = fixed_s + per_sample_s * batch: floats for one rank's [steps], arrays for [steps, world]."""
+    b, t = np.asarray(batch, float), np.asarray(step_s, float)
+    a, c = fit_stats(window_stats(b.reshape(len(b), -1), t.reshape(len(t), -1)))
+    return (float(a[0]), float(c[0])) if b.ndim == 1 else (a, c)
+
+
+def step_times(fixed_s, per_sample_s, batch) -> np.ndarray:
+    """Predicted step time of each rank (s); a rank with batch 0 sits the step out and takes no time."""
+    b = np.asarray(batch, float)
+    return np.where(b > 0, np.asarray(fixed_s) + np.asarray(per_sample_s) * b, 0.0)
 
 
 def predicted_step_s(fixed_s, per_sample_s, batch) -> float:
     """The slowest rank's predicted step time (s) for these batch sizes."""
-    return float(np.max(np.asarray(fixed_s) + np.asarray(per_sample_s) * np.asarray(batch)))
+    return float(np.max(step_times(fixed_s, per_sample_s, batch)))
 
+
+def affine_batch_sizes(fixed_s, per_sample_s, global_batch: int, min_batch=1, max_batch=None,
+                       sit_out: bool = False) -> np.ndarray:
+    """Integer batch sizes minimising the slowest predicted step max_i(fixed_i + per_sample_i * b_i); exact.
+
+    A rank whose fixed part alone exceeds the balanced step time gets min_batch, or 0 (it sits the step out,
+    its gradient weight is zero) when sit_out is allowed. Sizes sum to global_batch.
+    """
+    a, c = np.asarray(fixed_s, float), np.asarray(per_sample_s, float)
+    n = len(a)
+    check_feasible(n, global_batch, min_batch, max_batch)
+    if np.any(~np.isfinite(a)) or np.any(~np.isfinite(c)):
+        raise ValueError("fixed_s and per_sample_s must be finite")
+    c = np.maximum(c, 1e-15)
+    lo, hi = _as_bounds(n, min_batch, 0), np.minimum(_as_bounds(n, max_batch, np.inf), global_batch)
+    entry = np.maximum(lo, 1)  # the smallest batch of a rank that takes part
+
+    def caps(T: float) -> np.ndarray:
+        """Largest sizes whose predicted time is <= T: monotone in T, so bisection finds the minimax T."""
+        k = np.clip(np.floor((T - a) / c), lo, hi)
+        return np.where(a + c * entry <= T, np.maximum(k, entry), 0.0) if sit_out else k
+
+    t_lo = float(np.min(a + c * entry)) * (1 - 1e-12) - 1e-300
+    t_hi = float(np.max(a + c * hi)) * (1 + 1e-9) + 1e-300  # a margin: (t - a) / c must not round below hi
+    if caps(t_lo).sum() >= global_batch:  # everyone at the minimum already fills the global batch
+        return lo.astype(np.int64)
+    for _ in range(200):  # the jump of sum(caps) sits at one of the values a_i + c_i*k: find it to the last bit
+        mid = 0.5 * (t_lo + t_hi)
+        if not t_lo < mid < t_hi:
+            break
+        if caps(mid).sum() < global_batch:
+            t_lo = mid
+        else:
+            t_hi = mid
+    b, top = caps(t_lo), caps(t_hi)
+    short = global_batch - int(b.sum())
+    # Ranks that jump between t_lo and t_hi are tied at the optimum: any of them may take the remainder.
+    jump = np.flatnonzero(top > b)
+    gain = np.cumsum((top - b)[jump])
+    take = jump[:int(np.searchsorted(gain, short)) + 1]
+    short -= int((top - b)[take].sum())
+    b[take] = top[take]
+    # A rank joining from a sit-out may overshoot: take the surplus back from the slowest ranks above their floor.
+    floor = np.where(b > 0, lo if not sit_out else entry, 0)
+    while short < 0:
+        t = np.where(b > floor, a + c * b, -np.inf)
+        i = int(np.argmax(t))
+        if not np.isfinite(t[i]):
+            break
+        b[i] -= 1
+        short += 1
+    if short != 0:  # no sit-out plan fits the bounds exactly: everyone takes part
+        return affine_batch_sizes(a, c, global_batch, min_batch, max_batch, sit_out=False)
+    return b.astype(np.int64)
+
+
+# -- the balancer the trainer and the simulator drive ---------------------------------------------------------
 
 @dataclass
 class Balancer:
     """Per-rank shares and batch sizes, re-decided from measured compute times by the scheme's rule.
 
-    smoothing: weight of the previous estimate in an exponential moving average (0 = use the latest only).
+    smoothing: weight of the previous estimate in an exponential moving average (0 = use the latest only); the
+      shares for the proportional rule, the fitted fixed and per-sample costs for the affine rule.
     deadband: keep the current batch sizes unless the predicted slowest step shrinks by more than this fraction.
+    sit_out: the affine rule may give a rank whose fixed cost alone exceeds the balanced step time batch 0.
+    probe_steps: before its first decision the affine rule alternates batch sizes by +-30% on this many first
+      steps, so every rank is timed at two sizes (later decisions also learn from the sizes changing).
+    memory: windows kept for the affine fit; a rank's older windows are dropped when its time jumps at an
+      unchanged batch size (its speed changed), so a change is followed at the next decision.
     """
     rule: str
     world: int
@@ -167,88 +250,135 @@ class Balancer:
     max_batch: int | list[int] | None = None
     smoothing: float = 0.0
     deadband: float = 0.0
-    probe: bool = True
+    sit_out: bool = False
+    probe_steps: int = 16
+    memory: int = 4
     shares: np.ndarray = field(default=None)
     sizes: np.ndarray = field(default=None)
     fixed_s: np.ndarray = field(default=None)
     per_sample_s: np.ndarray = field(default=None)
-    history: list = field(default_factory=list)
     decisions: int = 0
+    _pending: list = field(default_factory=list, repr=False)   # [6, world] stats since the last decision
+    _windows: np.ndarray = field(default=None, repr=False)     # [k, 6, world] stats of the kept windows
+    _probe_sizes: tuple = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.rule not in ("static", "proportional", "affine"):
             raise ValueError(f"unknown rule {self.rule!r}")
+        if not (0 <= self.smoothing < 1 and 0 <= self.deadband < 1):
+            raise ValueError("smoothing and deadband must lie in [0, 1)")
         if self.shares is None:
             self.shares = np.full(self.world, 1.0 / self.world)
         self.shares = np.asarray(self.shares, float)
         if self.sizes is None:
             self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch)
+        if self._windows is None:
+            self._windows = np.zeros((0, 6, self.world))
 
     @property
     def probing(self) -> bool:
-        """Affine needs two distinct batch sizes per rank: it alternates sizes until its first decision."""
-        return self.rule == "affine" and self.probe and self.decisions == 0 and self.world > 1
+        """Affine needs two distinct batch sizes per rank: it probes until its first decision."""
+        return self.rule == "affine" and self.probe_steps > 0 and self.decisions == 0 and self.world > 1
 
     def sizes_for_step(self, step: int) -> np.ndarray:
-        """Batch sizes for one step (they sum to global_batch)."""
-        if not self.probing:
+        """Batch sizes for one step (they sum to global_batch); step counts from the start of the epoch."""
+        if not self.probing or step >= self.probe_steps:
             return self.sizes
-        sign = np.where(np.arange(self.world) % 2 == step % 2, 1.0, -1.0)
-        if self.world % 2:  # odd world: the last rank keeps its size so the perturbation stays balanced
-            sign[-1] = 0.0
-        return batch_sizes(self.shares * (1 + 0.3 * sign), self.global_batch, self.min_batch, self.max_batch)
+        if self._probe_sizes is None:
+            # Neighbouring ranks swap +-30% every step; with an odd world the shares are renormalised, so every
+            # rank still sees two sizes. Rounding keeps the sizes within bounds and the sum exact.
+            sign = np.where(np.arange(self.world) % 2 == 0, 1.0, -1.0)
+            self._probe_sizes = tuple(batch_sizes(self.shares * (1 + 0.3 * s), self.global_batch, self.min_batch,
+                                                  self.max_batch) for s in (sign, -sign))
+        return self._probe_sizes[step % 2]
 
     def observe(self, batch, compute_s) -> None:
         """Record steps: batch and compute_s are [steps, world] arrays of sizes and local compute times (s)."""
-        batch, compute_s = np.atleast_2d(batch).astype(float), np.atleast_2d(compute_s).astype(float)
-        self.history.append((batch, compute_s))
-        self.history = self.history[-8:]  # recent windows only: speeds change
+        batch, compute_s = np.atleast_2d(batch), np.atleast_2d(compute_s)
+        if len(batch):
+            self._pending.append(window_stats(batch, compute_s))
 
     def decide(self) -> bool:
         """Re-decide shares and batch sizes from the observations since the last decision; True if they changed."""
-        if self.rule == "static" or not self.history:
-            self.history.clear()
+        if self.rule == "static" or not self._pending:
+            self._pending.clear()
             return False
-        batch, compute_s = self.history[-1]
+        new = np.sum(self._pending, axis=0)
+        self._pending.clear()
         if self.rule == "proportional":
-            new_shares = proportional_shares(batch.sum(0), compute_s.sum(0))
-            if self.shares is not None and self.smoothing > 0 and self.decisions > 0:
-                new_shares = self.smoothing * self.shares + (1 - self.smoothing) * new_shares
-            fixed = np.zeros(self.world)
-            per = compute_s.sum(0) / np.maximum(batch.sum(0), 1)
+            fixed, per = np.zeros(self.world), new[2] / np.maximum(new[1], 1)
+            new_shares = proportional_shares(new[1], new[2])
+            new_shares = self.smoothing * self.shares + (1 - self.smoothing) * new_shares
             new_sizes = batch_sizes(new_shares, self.global_batch, self.min_batch, self.max_batch)
         else:
-            all_b = np.concatenate([h[0] for h in self.history])
-            all_t = np.concatenate([h[1] for h in self.history])
-            fits = np.array([fit_affine(all_b[:, i], all_t[:, i]) for i in range(self.world)])
-            fixed, per = fits[:, 0], fits[:, 1]
-            if self.fixed_s is not None and self.smoothing > 0:
-                fixed = self.smoothing * self.fixed_s + (1 - self.smoothing) * fixed
-                per = self.smoothing * self.per_sample_s + (1 - self.smoothing) * per
-            new_sizes = affine_batch_sizes(fixed, per, self.global_batch, self.min_batch, self.max_batch)
+            fixed, per = self._fit(new)
+            new_sizes = affine_batch_sizes(fixed, per, self.global_batch, self.min_batch, self.max_batch,
+                                           self.sit_out)
             new_shares = new_sizes / self.global_batch
         self.fixed_s, self.per_sample_s = fixed, per
         self.decisions += 1
-        if self.rule == "affine":
-            self.history = self.history[-2:]  # keep some older sizes: the fit needs two distinct batch sizes
-        else:
-            self.history.clear()
-        now, new = predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, new_sizes)
-        if self.deadband > 0 and now - new <= self.deadband * now:
+        self._probe_sizes = None
+        now, after = predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, new_sizes)
+        if now - after <= self.deadband * now:  # too small a gain to be worth a change (or none at all)
             return False
         changed = not np.array_equal(new_sizes, self.sizes)
-        self.shares, self.sizes = np.asarray(new_shares, float), new_sizes
+        self.shares, self.sizes = np.asarray(new_shares, float), np.asarray(new_sizes, np.int64)
         return changed
 
+    def _fit(self, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Affine fixed and per-sample costs per rank from the new window and the kept ones."""
+        kept = self._windows
+        if len(kept):
+            # A rank whose mean time moved at an unchanged mean batch size changed speed: forget its past.
+            prev = kept[-1]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                mb_new, mb_old = new[1] / new[0], prev[1] / prev[0]
+                mt_new, mt_old = new[2] / new[0], prev[2] / prev[0]
+                var = (np.maximum(new[5] / new[0] - mt_new ** 2, 0) / new[0]
+                       + np.maximum(prev[5] / prev[0] - mt_old ** 2, 0) / prev[0])
+                same_size = np.abs(mb_new - mb_old) <= np.maximum(0.5, 0.01 * mb_old)
+                moved = np.abs(mt_new - mt_old) > 0.02 * mt_old + 4 * np.sqrt(var)
+            kept = np.where((same_size & moved & (new[0] > 0))[None, None, :], 0.0, kept)
+        pooled = kept.sum(0) + new
+        prior = self.per_sample_s
+        _, c = fit_stats(pooled, prior)
+        # The fixed part follows the latest window (it is the part that changes when a delay comes or goes).
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mb, mt = new[1] / new[0], new[2] / new[0]
+            c = np.minimum(c, mt / mb)
+            if prior is not None and self.smoothing > 0:
+                s = self.smoothing
+                old_t = self.fixed_s + prior * mb
+                c = np.where(np.isfinite(prior), s * prior + (1 - s) * c, c)
+                mt = np.where(np.isfinite(old_t), s * old_t + (1 - s) * mt, mt)
+            a = np.maximum(mt - c * mb, 0.0)
+        seen = new[0] > 0
+        if prior is not None:  # ranks with no new observations (sat out) keep their last estimate
+            a, c = np.where(seen, a, self.fixed_s), np.where(seen, c, prior)
+        a, c = _fill_unknown(a), _fill_unknown(c)
+        self._windows = np.concatenate([kept, new[None]])[-self.memory:]
+        return a, c
+
     def state_dict(self) -> dict:
-        return {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in
-                dict(shares=self.shares, sizes=self.sizes, fixed_s=self.fixed_s, per_sample_s=self.per_sample_s,
-                     decisions=self.decisions,
-                     history=[(b.tolist(), t.tolist()) for b, t in self.history]).items()}
+        tolist = lambda v: None if v is None else np.asarray(v).tolist()  # noqa: E731
+        return {"shares": tolist(self.shares), "sizes": tolist(self.sizes), "fixed_s": tolist(self.fixed_s),
+                "per_sample_s": tolist(self.per_sample_s), "decisions": self.decisions,
+                "pending": [p.tolist() for p in self._pending], "windows": self._windows.tolist()}
 
     def load_state_dict(self, d: dict) -> None:
         self.shares, self.sizes = np.asarray(d["shares"], float), np.asarray(d["sizes"], np.int64)
         self.fixed_s = None if d["fixed_s"] is None else np.asarray(d["fixed_s"], float)
         self.per_sample_s = None if d["per_sample_s"] is None else np.asarray(d["per_sample_s"], float)
         self.decisions = int(d["decisions"])
-        self.history = [(np.asarray(b, float), np.asarray(t, float)) for b, t in d["history"]]
+        self._pending = [np.asarray(p, float) for p in d.get("pending", [])]
+        w = np.asarray(d.get("windows", []), float)
+        self._windows = w.reshape(-1, 6, self.world) if w.size else np.zeros((0, 6, self.world))
+        self._probe_sizes = None
+
+
+def _fill_unknown(x: np.ndarray) -> np.ndarray:
+    """Ranks never observed (NaN) take the median of the others: a neutral guess until they are measured."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        x = np.where(bad, np.nanmedian(x) if (~bad).any() else 0.0, x)
+    return x

@@ -28,9 +28,13 @@ def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
     if holds_run and not (resume or overwrite):
         raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
                           f"--overwrite to replace it, or choose another --run-dir")
-    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK):
-        raise ConfigError(f"run folder {path} is not writable")
+    try:  # really try: permission bits say little to root, and read-only file systems say nothing
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run folder {path} is not writable ({e.strerror or e})") from None
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -200,8 +200,8 @@ class Trainer:
         bad = gather_rows(first_bad.reshape(1), w.device).flatten()
         if (bad >= 0).any():
             step = int(bad[bad >= 0].min())
-            raise TrainingError(f"non-finite loss at epoch {epoch} step {step}: stopping (lower --lr?); the last "
-                                f"good checkpoint is epoch {epoch - 1}")
+            kept = f"epochs 1..{epoch - 1} and their checkpoint are kept" if epoch > 1 else "no epoch had completed"
+            raise TrainingError(f"non-finite loss at epoch {epoch} step {step}: stopping (lower --lr?); {kept}")
         per_rank = gather_rows(torch.from_numpy(np.stack([compute, wait, delay])), w.device).numpy()
         if self.replay is None and self.balancer.rule != "static":
             self.balancer.observe(sizes[last_decision:], per_rank[:, 0, last_decision:].T)

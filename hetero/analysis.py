@@ -1,0 +1,203 @@
+"""Run folders into tidy pandas frames (one observation per row) and the grid's summary table.
+
+    frames = load("runs/demo")                     # a grid folder, or a list of run folders
+    table = summary_table(frames)                  # one row per (model, heterogeneity, scheme)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from .emulator import parse_hetero
+
+SCHEMES = {"sync": "Sync-SGD", "dp": "DP-SGD", "edp": "EDP-SGD", "affine": "Affine"}
+ROOT = Path(__file__).resolve().parents[1]  # the repository: notebooks' relative paths start here
+RUN_KEYS = ["run", "model", "hetero", "setting", "scheme", "scheme_label", "seed"]
+
+
+def from_root(path: str | Path) -> Path:
+    """A notebook path: relative paths are relative to the repository root, wherever the kernel started."""
+    return Path(path) if Path(path).is_absolute() else ROOT / path
+
+
+def scheme_label(scheme: str) -> str:
+    return SCHEMES.get(scheme, scheme)
+
+
+def hetero_label(spec: str) -> str:
+    """A heterogeneity spec in words: "1:delay=0.01" -> "rank 1 +10 ms/step", "1:slowdown=3" -> "rank 1 3x slower"."""
+    if not spec:
+        return "homogeneous"
+    try:
+        ranks = parse_hetero(spec)
+    except ValueError:
+        return spec
+    words = []
+    for rank, effects in sorted(ranks.items()):
+        for e in effects:
+            what = {"delay": lambda p: f"+{_ms(p[0])}/step", "exp": lambda p: f"+random {_ms(p[0])}/step (exp.)",
+                    "gamma": lambda p: f"+random {_ms(p[0] * p[1])}/step (gamma)",
+                    "slowdown": lambda p: f"{p[0]:g}\u00d7 slower"}[e.kind](e.params)
+            if e.window is not None:
+                kind, a, b = e.window
+                what += f" (every {a} steps, {b} on)" if kind == "cycle" else \
+                    f" ({kind}s {a}\u2013{'' if b is None else b})"
+            words.append(f"rank {rank} {what}")
+    return ", ".join(words)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:g} ms"
+
+
+def find_runs(source: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The run folders: a grid folder's subfolders holding config.json, or the given folders themselves."""
+    if isinstance(source, (str, Path)):
+        source = from_root(source)
+        if (source / "config.json").exists():
+            return [source]
+        found = sorted(p.parent for p in source.glob("*/config.json"))
+        if not found:
+            raise FileNotFoundError(f"{source} holds no run folders (no */config.json)")
+        return found
+    return [from_root(p) for p in source]
+
+
+@dataclass
+class Frames:
+    runs: pd.DataFrame     # one row per run: identity, status, summary numbers
+    epochs: pd.DataFrame   # one row per run and epoch (epochs.csv)
+    ranks: pd.DataFrame    # one row per run, epoch and rank (ranks.csv)
+    steps: pd.DataFrame    # one row per run, epoch, step and rank (steps.csv)
+
+
+def load(source: str | Path | Sequence[str | Path]) -> Frames:
+    """Every run's tables with its identity columns (RUN_KEYS) in front; failed or unfinished runs are kept in
+    `runs` (status) but left out of the other frames."""
+    runs, tables = [], {"epochs": [], "ranks": [], "steps": []}
+    for path in find_runs(source):
+        meta = json.loads((path / "config.json").read_text())
+        cfg = meta["config"]
+        summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
+        ident = {"run": path.name, "model": cfg["model"], "hetero": cfg["hetero"],
+                 "setting": f"{cfg['model']}, {hetero_label(cfg['hetero'])}", "scheme": cfg["scheme"],
+                 "scheme_label": scheme_label(cfg["scheme"]), "seed": cfg["seed"]}
+        runs.append({**ident, "status": summary.get("status", "started"), "error": summary.get("error", ""),
+                     "world_size": meta.get("world_size"), "global_batch": cfg["global_batch"],
+                     "epochs": cfg["epochs"], "epochs_completed": summary.get("epochs_completed", 0),
+                     "train_time_s": summary.get("train_time_s"), "final_test_top1": summary.get("final_test_top1"),
+                     "final_test_loss": summary.get("final_test_loss"),
+                     "mean_balance_eff": summary.get("mean_balance_eff"), "run_dir": str(path)})
+        if summary.get("status") != "completed":
+            continue
+        for name in tables:
+            df = pd.read_csv(path / f"{name}.csv")
+            tables[name].append(df.assign(**ident)[RUN_KEYS + list(df.columns)])
+    order = {"scheme": list(SCHEMES)}
+    frames = Frames(pd.DataFrame(runs), *(pd.concat(t, ignore_index=True) if t else pd.DataFrame(columns=RUN_KEYS)
+                                          for t in tables.values()))
+    for df in (frames.runs, frames.epochs, frames.ranks, frames.steps):
+        if len(df):
+            df["scheme_rank"] = df["scheme"].map(lambda s: order["scheme"].index(s) if s in SCHEMES else 99)
+            df.sort_values(["model", "hetero", "scheme_rank", "seed"], kind="stable", inplace=True)
+            df.drop(columns="scheme_rank", inplace=True)
+            df.reset_index(drop=True, inplace=True)
+    return frames
+
+
+def completed(frames: Frames) -> pd.DataFrame:
+    return frames.runs[frames.runs["status"] == "completed"]
+
+
+def time_to_target(epochs: pd.DataFrame, target: float) -> pd.Series:
+    """Per run: training wall time (s) at the end of the first epoch with test top-1 >= target (NaN if never)."""
+    hit = epochs[epochs["test_top1"] >= target]
+    return hit.groupby("run")["train_time_s"].min().reindex(epochs["run"].unique())
+
+
+def auto_target(runs: pd.DataFrame) -> float:
+    """A top-1 every scheme reaches on average: 95% of the worst scheme's mean final top-1, floored to a percent."""
+    worst = runs.groupby("scheme")["final_test_top1"].mean().min()
+    return float(np.floor(95 * worst) / 100)
+
+
+def summary_table(frames: Frames, target_top1: float = 0.0) -> pd.DataFrame:
+    """One row per (model, hetero, scheme) over completed runs (seeds): times in s, accuracies as fractions.
+
+    speedup_vs_sync = Sync-SGD's mean training time / this scheme's (same model and heterogeneity);
+    target_top1 <= 0 picks a target per setting (auto_target)."""
+    runs = completed(frames)
+    rows = []
+    for (model, hetero), setting in runs.groupby(["model", "hetero"], sort=False):
+        target = target_top1 if target_top1 > 0 else auto_target(setting)
+        sync_s = setting.loc[setting["scheme"] == "sync", "train_time_s"].mean()
+        for scheme, g in setting.groupby("scheme", sort=False):
+            ttt = time_to_target(frames.epochs[frames.epochs["run"].isin(g["run"])], target)
+            rows.append({"model": model, "hetero": hetero, "heterogeneity": hetero_label(hetero), "scheme": scheme,
+                         "scheme_label": scheme_label(scheme), "seeds": len(g),
+                         "train_time_s_mean": g["train_time_s"].mean(), "train_time_s_sd": g["train_time_s"].std(),
+                         "speedup_vs_sync": sync_s / g["train_time_s"].mean(), "target_top1": target,
+                         "time_to_target_s_mean": ttt.mean(), "reached_target": int(ttt.notna().sum()),
+                         "final_test_top1_mean": g["final_test_top1"].mean(),
+                         "final_test_top1_sd": g["final_test_top1"].std(),
+                         "balance_eff_mean": g["mean_balance_eff"].mean()})
+    return pd.DataFrame(rows)
+
+
+def format_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """The summary table for reading: units in the headers, spread over seeds as +/- one standard deviation."""
+    def pm(mean: float, sd: float, fmt: str) -> str:
+        return format(mean, fmt) + ("" if np.isnan(sd) else f" \u00b1 {format(sd, fmt)}")
+    out = pd.DataFrame({
+        "model": table["model"], "heterogeneity": table["heterogeneity"], "scheme": table["scheme_label"],
+        "seeds": table["seeds"],
+        "training time (s)": [pm(m, s, ".1f") for m, s in zip(table["train_time_s_mean"], table["train_time_s_sd"])],
+        "speedup vs Sync-SGD": table["speedup_vs_sync"].map(lambda v: "" if np.isnan(v) else f"{v:.2f}\u00d7"),
+        "time to target (s)": [("not reached" if n == 0 else f"{t:.1f}" + (f" ({n}/{k} seeds)" if n < k else ""))
+                               + f" [top-1 \u2265 {100 * g:.0f}%]" for t, n, k, g in
+                               zip(table["time_to_target_s_mean"], table["reached_target"], table["seeds"],
+                                   table["target_top1"])],
+        "final test top-1 (%)": [pm(100 * m, 100 * s, ".1f")
+                                 for m, s in zip(table["final_test_top1_mean"], table["final_test_top1_sd"])],
+        "balance efficiency": table["balance_eff_mean"].map(lambda v: f"{v:.2f}"),
+    })
+    return out
+
+
+def time_breakdown(frames: Frames) -> pd.DataFrame:
+    """Per (setting, scheme, rank), mean over seeds of the run's total seconds in each part: the rank's own
+    compute, the emulated slowdown, waiting for the other ranks, and evaluation (tidy: one part per row)."""
+    r = frames.ranks.groupby(RUN_KEYS + ["rank"], sort=False, as_index=False)[["compute_s", "delay_s", "wait_s"]].sum()
+    ev = frames.epochs.groupby("run")["eval_time_s"].sum()
+    r["own compute"] = r["compute_s"] - r["delay_s"]
+    r["emulated slowdown"] = r["delay_s"]
+    r["waiting for other ranks"] = r["wait_s"]
+    r["evaluation"] = r["run"].map(ev)
+    parts = ["own compute", "emulated slowdown", "waiting for other ranks", "evaluation"]
+    long = r.melt(id_vars=RUN_KEYS + ["rank"], value_vars=parts, var_name="part", value_name="seconds")
+    keys = ["model", "hetero", "setting", "scheme", "scheme_label", "rank", "part"]
+    out = long.groupby(keys, sort=False, as_index=False)["seconds"].mean()
+    out["part"] = pd.Categorical(out["part"], parts, ordered=True)
+    return out
+
+
+def describe(frames: Frames) -> str:
+    """A Markdown paragraph: what the runs are, and which did not complete (with their errors)."""
+    runs, done = frames.runs, completed(frames)
+
+    def values(col: str) -> str:
+        return ", ".join(str(v) for v in dict.fromkeys(runs[col]))
+    text = (f"**{len(runs)} runs**, {len(done)} completed: model {values('model')}; scheme "
+            f"{', '.join(scheme_label(s) for s in dict.fromkeys(runs['scheme']))}; heterogeneity "
+            f"{'; '.join(hetero_label(h) for h in dict.fromkeys(runs['hetero']))}; seeds {values('seed')}; "
+            f"{values('world_size')} ranks; {values('epochs')} epochs of global batch {values('global_batch')}.")
+    missing = runs[runs["status"] != "completed"]
+    if len(missing):
+        text += "\n\nLeft out (not completed):\n\n" + "\n".join(
+            f"* `{r.run}`: {r.status}" + (f", {r.error}" if r.error else "") for r in missing.itertuples())
+    return text

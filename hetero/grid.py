@@ -1,0 +1,276 @@
+"""Experiment grids: the product of parameter lists, each cell one torchrun launch of `hetero.train`.
+
+    from hetero.grid import plan, run_grid
+    g = plan(grid="demo", model="tiny", scheme=["sync", "dp", "edp"], hetero="1:slowdown=3", seed=[0, 1],
+             epochs=4, data="synthetic", subset=2048, nproc=2)
+    table = run_grid(g)          # one row per run, also written to runs/demo/grid.csv
+
+Any Config field may be given a list: the grid is the product of the lists. `hetero` may also map each model to
+its own list (the paper delays VGG16 by 0.01/0.02 s and ResNet50 by 0.1/0.2 s). Every run's Config is validated
+before anything is launched; runs already completed are skipped, interrupted ones resumed from their checkpoint,
+and a failed or timed-out run is recorded in grid.csv while the grid carries on.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .config import Config, ConfigError
+
+GRID_KEYS = ("grid", "nproc", "runs_root", "run_timeout_s")  # grid-level parameters; the rest are Config fields
+CONFIG_KEYS = tuple(f.name for f in fields(Config))
+PARAMETERS = GRID_KEYS + CONFIG_KEYS
+_MANAGED = ("run_dir", "resume", "overwrite")  # the grid decides these per run
+_IGNORED_IN_COMPARISON = set(_MANAGED) | {"data_dir"}
+COLUMNS = ["run", "model", "scheme", "hetero", "seed", "status", "error", "returncode", "wall_s", "launched",
+           "run_dir", "log"]
+
+
+class GridError(ValueError):
+    """A grid that cannot start: every problem found, one per line."""
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str          # <model>-<scheme>-<hetero slug>-s<seed>[-<field><value> for other swept fields]
+    run_dir: Path
+    config: Config
+
+
+@dataclass(frozen=True)
+class Grid:
+    name: str
+    root: Path         # runs_root/name: the run folders, grid.csv, grid.json and logs/
+    runs: tuple[Run, ...]
+    nproc: int         # ranks per run (the world size)
+    run_timeout_s: float
+    params: dict[str, Any]
+
+
+def slug(spec: str) -> str:
+    """A folder-safe name for a heterogeneity spec: "1:delay=0.01" -> "1-delay0.01", "" -> "none"."""
+    if not spec:
+        return "none"
+    text = spec.replace(":", "-").replace("=", "").replace(",", "+").replace("/", "_").replace("@", "_at")
+    return re.sub(r"[^A-Za-z0-9.+_-]", "_", text)
+
+
+def _as_list(value: Any) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_s: float = 3600.0,
+         **config: Any) -> Grid:
+    """Expand and validate a grid; raises GridError listing every bad run. Nothing is launched or written."""
+    unknown = sorted(set(config) - set(CONFIG_KEYS))
+    managed = sorted(set(config) & set(_MANAGED))
+    problems = [f"unknown parameter {k!r} (not a Config field nor one of {', '.join(GRID_KEYS)})" for k in unknown]
+    problems += [f"parameter {k!r} is set by the grid per run; leave it out" for k in managed]
+    if not grid or slug(grid) != grid:
+        problems.append(f"grid name {grid!r} must be a non-empty folder name of letters, digits, '.', '_', '-'")
+    if not (isinstance(nproc, int) and nproc >= 1):
+        problems.append(f"nproc must be a positive integer (got {nproc!r})")
+    if not run_timeout_s > 0:
+        problems.append(f"run_timeout_s must be positive (got {run_timeout_s!r})")
+    if problems:
+        raise GridError("\n".join(problems))
+    models = _as_list(config.pop("model", Config.model))
+    hetero = config.pop("hetero", Config.hetero)
+    if isinstance(hetero, dict):
+        missing = [m for m in models if m not in hetero]
+        if missing:
+            raise GridError(f"hetero gives no heterogeneity for model(s) {', '.join(missing)}")
+        per_model = {m: _as_list(hetero[m]) for m in models}
+    else:
+        per_model = {m: _as_list(hetero) for m in models}
+    schemes = _as_list(config.pop("scheme", Config.scheme))
+    seeds = _as_list(config.pop("seed", Config.seed))
+    extra_axes = {k: v for k, v in config.items() if isinstance(v, (list, tuple))}
+    fixed = {k: v for k, v in config.items() if k not in extra_axes}
+    root = Path(runs_root) / grid
+    runs, seen = [], {}
+    for seed, model, scheme, *extra in itertools.product(seeds, models, schemes, *extra_axes.values()):
+        for spec in per_model[model]:
+            swept = dict(zip(extra_axes, extra))
+            name = f"{model}-{scheme}-{slug(str(spec))}-s{seed}" + "".join(
+                f"-{k}{slug(str(v))}" for k, v in swept.items() if len(extra_axes[k]) > 1)
+            if name in seen:
+                problems.append(f"{name}: two runs would share this folder (hetero specs {seen[name]!r} and "
+                                f"{spec!r})")
+                continue
+            seen[name] = spec
+            run_dir = root / name
+            try:
+                cfg = Config(**fixed, **swept, model=model, scheme=scheme, hetero=str(spec), seed=seed,
+                             run_dir=str(run_dir))
+                cfg.check_world(nproc)
+            except (ConfigError, TypeError) as e:
+                problems.append(f"{name}: {e}")
+                continue
+            problems += _conflict(run_dir, cfg)
+            runs.append(Run(name, run_dir, cfg))
+    if problems:
+        raise GridError("\n".join(problems))
+    params = {"grid": grid, "nproc": nproc, "runs_root": str(runs_root), "run_timeout_s": run_timeout_s,
+              "model": models, "hetero": hetero, "scheme": schemes, "seed": seeds, **config}
+    return Grid(grid, root, tuple(runs), nproc, float(run_timeout_s), params)
+
+
+def _conflict(run_dir: Path, cfg: Config) -> list[str]:
+    """A folder holding a run of another configuration is never reused silently."""
+    path = run_dir / "config.json"
+    if not path.exists() or path.stat().st_size == 0:
+        return []
+    saved = json.loads(path.read_text()).get("config", {})
+    planned = cfg.to_dict()
+    diff = [f"{k} {saved.get(k)!r} != {planned[k]!r}" for k in planned
+            if k not in _IGNORED_IN_COMPARISON and saved.get(k) != planned[k]]
+    if not diff:
+        return []
+    return [f"{run_dir} holds a run with another configuration ({'; '.join(diff[:3])}): delete it or choose "
+            f"another grid name"]
+
+
+def state(run_dir: Path) -> str:
+    """completed, failed or running (from summary.json), started (config.json only) or new."""
+    summary = run_dir / "summary.json"
+    if summary.exists():
+        return json.loads(summary.read_text()).get("status", "started")
+    return "started" if (run_dir / "config.json").exists() else "new"
+
+
+def train_args(cfg: Config) -> list[str]:
+    """The hetero.train flags for a Config: every field that differs from its default, plus --run-dir."""
+    args = []
+    for f in fields(Config):
+        value = getattr(cfg, f.name)
+        if f.name in _MANAGED or value == f.default:
+            continue
+        args += [f"--{f.name.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return args + ["--run-dir", cfg.run_dir]
+
+
+def command(run: Run, nproc: int) -> list[str]:
+    """torchrun --standalone (a free port per run, so two grids at once never collide), resuming if it can."""
+    st = state(run.run_dir)
+    if st in ("running", "failed", "started") and (run.run_dir / "checkpoint.pt").exists():
+        args = ["--resume", str(run.run_dir)]
+    else:
+        args = train_args(run.config) + (["--overwrite"] if st != "new" else [])
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "hetero.train", *args]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    package_root = str(Path(__file__).resolve().parents[1])  # the workers import this very checkout
+    env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def launch(cmd: list[str], log: Path, timeout_s: float) -> int | None:
+    """Run cmd with its output in log; its exit status, or None when it ran past timeout_s and was stopped."""
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            return None
+        except BaseException:  # an interrupted notebook stops its run too
+            _stop(proc)
+            raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launch's own process group (torchrun and its workers), SIGKILL after a grace period."""
+    for sig, grace_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _error(run_dir: Path, log: Path, returncode: int | None, timeout_s: float) -> str:
+    """One line: the trainer's recorded error, else its last error line in the log, else the exit status."""
+    if returncode is None:
+        return f"timed out after {timeout_s:g} s (run_timeout_s) and was stopped"
+    summary = run_dir / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("error"):
+        return json.loads(summary.read_text())["error"].splitlines()[0][:300]
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
+    marked = [ln for ln in lines if re.match(r"hetero: (rank \d+: )?error:", ln)]
+    last = (marked or [ln for ln in lines if "Error" in ln] or lines or [""])[-1]
+    return (last or f"exited with status {returncode}")[:300]
+
+
+def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:
+    """Launch every run not yet completed, one after another; returns (and keeps writing) grid.csv."""
+    from tqdm import tqdm
+
+    (grid.root / "logs").mkdir(parents=True, exist_ok=True)
+    (grid.root / "grid.json").write_text(json.dumps(grid.params, indent=2, default=str) + "\n")
+    rows = [{"run": r.name, "model": r.config.model, "scheme": r.config.scheme, "hetero": r.config.hetero,
+             "seed": r.config.seed, "status": "pending", "error": "", "returncode": None, "wall_s": None,
+             "launched": False, "run_dir": str(r.run_dir), "log": str(grid.root / "logs" / f"{r.name}.log")}
+            for r in grid.runs]
+    bar = tqdm(total=len(rows), desc=f"grid {grid.name}", unit="run", disable=not progress, file=sys.stdout)
+    try:
+        for run, row in zip(grid.runs, rows):
+            if state(run.run_dir) == "completed":
+                row["status"] = "completed"
+            else:
+                t0 = time.perf_counter()
+                rc = launch(command(run, grid.nproc), Path(row["log"]), grid.run_timeout_s)
+                row.update(launched=True, returncode=rc, wall_s=round(time.perf_counter() - t0, 1))
+                done = rc == 0 and state(run.run_dir) == "completed"
+                row["status"] = "completed" if done else ("timeout" if rc is None else "failed")
+                row["error"] = "" if done else _error(run.run_dir, Path(row["log"]), rc, grid.run_timeout_s)
+                bar.write(f"{run.name}: {row['status']} in {row['wall_s']:.0f} s"
+                          + (f" - {row['error']}" if row["error"] else ""))
+            _write_table(grid.root / "grid.csv", rows)
+            bar.update(1)
+    finally:
+        bar.close()
+        _write_table(grid.root / "grid.csv", rows)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    counts = table["status"].value_counts()
+    print(f"grid {grid.name}: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f" ({grid.root / 'grid.csv'})")
+    return table
+
+
+def _write_table(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    pd.DataFrame(rows, columns=COLUMNS).to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def plan_from(namespace: dict[str, Any]) -> Grid:
+    """plan() from a notebook's variables (those named like a grid parameter or a Config field); a relative
+    runs_root is relative to the repository root, wherever the kernel started."""
+    params = {k: v for k, v in namespace.items() if k in PARAMETERS}
+    root = Path(params.get("runs_root", "runs"))
+    params["runs_root"] = root if root.is_absolute() else Path(__file__).resolve().parents[1] / root
+    return plan(**params)
+
+
+def failures(table: pd.DataFrame) -> pd.DataFrame:
+    """The runs of a grid table that did not complete, with their errors."""
+    return table.loc[table["status"] != "completed", ["run", "status", "error", "log"]]

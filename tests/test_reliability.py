@@ -1,0 +1,169 @@
+"""Reliability: bad input gives one line and exit 2; a dying worker never hangs the others; checkpoints are
+atomic; --resume continues without duplicated or missing epochs; --replay reproduces a run bit for bit."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import psutil
+import pytest
+import torch
+
+from hetero.runlog import RunFolder
+
+from conftest import ROOT, TINY, _env, read_run, run_train
+
+
+def _cli(args, world=1, env_extra=None):
+    env = {**_env(), "WORLD_SIZE": str(world), **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "hetero.train", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+BAD = [
+    (["--model", "alexnet"], "unknown model 'alexnet'"),
+    (["--scheme", "fast"], "unknown scheme 'fast'"),
+    (["--data", "mnist"], "unknown data set 'mnist'"),
+    (["--hetero", "1:delay"], "bad --hetero"),
+    (["--hetero", "1:delay=-0.1"], "non-negative"),
+    (["--hetero", "1:delay=inf"], "finite"),
+    (["--hetero", "2:delay=0.1"], "rank 2 is not below the world size 2"),
+    (["--global-batch", "3", "--min-batch", "2"], "smaller than 2 ranks x min batch"),
+    (["--subset", "100"], "--subset 100 is smaller than the global batch 128"),
+    (["--epochs", "0"], "--epochs must be positive"),
+    (["--lr", "-0.1"], "--lr must be positive"),
+    (["--lr", "nan"], "--lr must be positive"),
+    (["--epochs", "two"], "invalid int value"),
+    (["--run-dir", "/proc/hetero-run"], "is not writable"),
+    (["--resume", "/nonexistent/run"], "cannot resume"),
+]
+
+
+def test_bad_input_one_line_exit_2():
+    # every case through the real command line, started together (each pays torch's import time)
+    env = {**_env(), "WORLD_SIZE": "2"}
+    procs = [subprocess.Popen([sys.executable, "-m", "hetero.train", *TINY, *extra, "--check"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for extra, _ in BAD]
+    for (extra, message), p in zip(BAD, procs):
+        _, err = p.communicate(timeout=180)
+        lines = err.strip().splitlines()
+        assert p.returncode == 2, (extra, err)
+        assert len(lines) == 1 and lines[0].startswith("hetero: error: ") and message in lines[0], (extra, err)
+
+
+def test_run_folder_holding_a_run_is_refused(tmp_path):
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text("{}")
+    p = _cli([*TINY, "--run-dir", str(tmp_path / "r"), "--check"])
+    assert p.returncode == 2 and "already holds a run" in p.stderr
+    assert _cli([*TINY, "--run-dir", str(tmp_path / "r"), "--overwrite", "--check"]).returncode == 0
+
+
+def test_missing_cifar10_offline_says_what_to_do(tmp_path):
+    # a dead proxy makes the download fail at once, online or not
+    p = _cli(["--data", "cifar10", "--data-dir", str(tmp_path / "data"), "--check"],
+             env_extra={"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"})
+    assert p.returncode == 2
+    assert "CIFAR-10 is not in" in p.stderr and "Fix:" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_non_finite_loss_stops_naming_epoch_and_step(tmp_path):
+    bad = tmp_path / "bad"
+    p = run_train([*TINY, "--lr", "1e12", "--run-dir", str(bad)], nproc=2, check=False)
+    assert p.returncode != 0
+    assert "non-finite loss at epoch 1 step" in p.stderr
+    s = json.loads((bad / "summary.json").read_text())
+    assert s["status"] == "failed" and "non-finite loss" in s["error"]
+
+
+def test_checkpoint_write_is_atomic(tmp_path):
+    folder = RunFolder(tmp_path)
+    folder.save_checkpoint({"epoch": 1, "w": torch.ones(3)})
+
+    class Boom:
+        def __reduce__(self):
+            raise RuntimeError("killed while writing")
+    with pytest.raises(RuntimeError):
+        folder.save_checkpoint({"epoch": 2, "w": torch.zeros(1000), "boom": Boom()})
+    state = folder.load_checkpoint()
+    assert state["epoch"] == 1 and torch.equal(state["w"], torch.ones(3))
+
+
+def _launch(args, nproc):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "hetero.train", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_rows(path, n, proc, limit=120):
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        if path.exists() and len(pd.read_csv(path)) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never reached {n} rows")
+
+
+def _rank_pid(proc, rank):
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "hetero.train" in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            pass
+    raise AssertionError(f"rank {rank} not found")
+
+
+def test_killed_worker_fails_fast_and_resume_completes(tmp_path):
+    run = tmp_path / "run"
+    timeout_s = 20
+    args = [*TINY, "--epochs", "3", "--scheme", "dp", "--hetero", "1:delay=0.05", "--timeout-s", str(timeout_s),
+            "--run-dir", str(run)]
+    proc = _launch(args, 2)
+    _wait_rows(run / "epochs.csv", 1, proc)
+    time.sleep(0.5)                                   # well inside epoch 2 (16 steps of >= 50 ms)
+    os.kill(_rank_pid(proc, 1), signal.SIGKILL)
+    t0 = time.time()
+    try:
+        proc.wait(timeout=timeout_s + 40)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.time() - t0 < timeout_s + 40 and proc.returncode != 0
+    r = read_run(run)
+    assert r["epochs"].epoch.tolist() == [1] and r["summary"]["status"] == "failed"
+    assert r["summary"]["epochs_completed"] == 1
+    run_train(["--resume", str(run)], nproc=2)
+    r = read_run(run)
+    assert r["epochs"].epoch.tolist() == [1, 2, 3] and r["summary"]["status"] == "completed"
+    assert sorted(r["ranks"][["epoch", "rank"]].itertuples(index=False)) == [(e, k) for e in (1, 2, 3) for k in (0, 1)]
+    assert r["steps"].groupby("epoch").size().tolist() == [16 * 2] * 3
+
+
+def test_replay_is_bit_identical_and_resume_equals_uninterrupted(tmp_path):
+    base = [*TINY, "--subset", "1024", "--epochs", "4", "--scheme", "dp", "--hetero", "1:slowdown=2"]
+    run_train([*base, "--run-dir", str(tmp_path / "orig")], nproc=2)
+    rep = [*base, "--replay", str(tmp_path / "orig")]
+    run_train([*rep, "--run-dir", str(tmp_path / "full")], nproc=2)
+    orig, full = read_run(tmp_path / "orig"), read_run(tmp_path / "full")
+    cols = ["train_loss", "test_loss", "test_top1"]
+    assert orig["epochs"][cols].equals(full["epochs"][cols])                      # bit-identical
+    # the same replay, killed after its second epoch and resumed
+    part = tmp_path / "part"
+    proc = _launch([*rep, "--hetero", "1:delay=0.25", "--run-dir", str(part)], 2)  # slow, so the kill lands mid-run
+    _wait_rows(part / "epochs.csv", 2, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert len(pd.read_csv(part / "epochs.csv")) < 4
+    run_train(["--resume", str(part)], nproc=2)
+    resumed = read_run(part)
+    assert resumed["epochs"].epoch.tolist() == [1, 2, 3, 4]
+    assert resumed["epochs"][cols].equals(full["epochs"][cols])
+    a = torch.load(part / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -21,7 +22,7 @@ class Config:
     epochs: int = 150
     global_batch: int = 256           # samples per step over all ranks (B)
     min_batch: int = 1                # smallest per-rank batch any scheme may assign
-    max_batch: int = 0                # largest per-rank batch (0: no limit)
+    max_batch: str = "0"              # largest batch per rank (0: no limit); one value or one per global rank "256,64"
     lr: float = 0.1                   # SGD, Nesterov momentum, cosine schedule over the epochs
     momentum: float = 0.9
     weight_decay: float = 5e-4
@@ -31,9 +32,10 @@ class Config:
     test_subset: int = 0              # evaluate on this many test samples (0: the full test set)
     augment: bool = True              # random crop (4-pixel padding) and horizontal flip, as the paper
     seed: int = 0
-    device: str = "auto"              # auto, cpu or cuda (cuda:LOCAL_RANK)
+    device: str = "auto"              # auto, cpu, cuda (cuda:LOCAL_RANK) or cuda:K; or one per global rank "cuda,cpu"
     backend: str = "auto"             # auto (nccl when every rank has a GPU, else gloo), gloo, nccl
-    threads: int = 0                  # torch CPU threads per rank (0: torch's default)
+    threads: str = "0"                # torch CPU threads (0: the host's cores / local ranks); or one per rank "4,1"
+    affinity: str = ""                # CPU cores per rank, e.g. "0,1" or "0-3,4-7" ("": not pinned)
     rebalance_every: int = 0          # re-decide batch sizes every K steps (0: at epoch ends only)
     smoothing: float = 0.0            # weight of the previous estimate in the balancer's moving average
     deadband: float = 0.0             # keep batch sizes unless the predicted step time drops by more than this
@@ -55,16 +57,28 @@ class Config:
             raise ConfigError(f"unknown scheme {self.scheme!r}: choose one of {', '.join(SCHEMES)}")
         if self.data not in ("cifar10", "imagefolder", "synthetic"):
             raise ConfigError(f"unknown data set {self.data!r}: choose cifar10, imagefolder or synthetic")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ConfigError(f"unknown device {self.device!r}: choose auto, cpu or cuda")
+        for d in self.device.split(","):
+            if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", d.strip()):
+                raise ConfigError(f"unknown device {d!r} in --device {self.device!r}: use auto, cpu, cuda or cuda:K")
+        for name in ("threads", "max_batch"):
+            for v in getattr(self, name).split(","):
+                if not v.strip().isdigit():
+                    raise ConfigError(f"--{_flag(name)} {getattr(self, name)!r}: expected whole numbers >= 0, "
+                                      f"one or one per rank")
+        if self.affinity:
+            for part in self.affinity.split(","):
+                try:
+                    parse_cores(part)
+                except ValueError:
+                    raise ConfigError(f"--affinity {self.affinity!r}: {part!r} is not a core list like 0-3 or "
+                                      f"4+6") from None
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"unknown backend {self.backend!r}: choose auto, gloo or nccl")
         for name in ("epochs", "global_batch", "lr", "timeout_s", "eval_batch"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"--{_flag(name)} must be positive (got {v})")
-        for name in ("momentum", "weight_decay", "subset", "test_subset", "threads", "rebalance_every",
-                     "min_batch", "max_batch", "seed"):
+        for name in ("momentum", "weight_decay", "subset", "test_subset", "rebalance_every", "min_batch", "seed"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"--{_flag(name)} must be non-negative (got {v})")
@@ -80,7 +94,7 @@ class Config:
             parse_hetero(self.hetero)
         except ValueError as e:
             raise ConfigError(f"bad --hetero {self.hetero!r}: {e}") from None
-        if self.max_batch and self.max_batch < self.min_batch:
+        if any(0 < int(m) < self.min_batch for m in self.max_batch.split(",")):
             raise ConfigError(f"--max-batch {self.max_batch} is below --min-batch {self.min_batch}")
 
     def check_world(self, world: int) -> None:
@@ -91,13 +105,44 @@ class Config:
         bad = [r for r in parse_hetero(self.hetero) if r >= world]
         if bad:
             raise ConfigError(f"bad --hetero {self.hetero!r}: rank {bad[0]} is not below the world size {world}")
+        for name in ("device", "threads", "max_batch", "affinity"):
+            n = len(getattr(self, name).split(",")) if getattr(self, name) else 0
+            if n not in (0, 1, world):
+                raise ConfigError(f"--{_flag(name)} {getattr(self, name)!r} lists {n} ranks; give one value or "
+                                  f"{world} (the world size)")
+        devices = [self.for_rank("device", r, world) for r in range(world)]
+        if self.backend == "nccl" and not all(d.startswith("cuda") for d in devices):
+            raise ConfigError(f"--backend nccl needs every rank on a GPU (devices {','.join(devices)}); mixed "
+                              f"CPU/GPU jobs use gloo (--backend auto picks it)")
         try:
-            check_feasible(world, self.global_batch, self.min_batch, self.max_batch or None)
+            check_feasible(world, self.global_batch, self.min_batch, self.max_batches(world))
         except ValueError as e:
             raise ConfigError(f"{e} (world size {world})") from None
 
+    def for_rank(self, name: str, rank: int, world: int) -> str:
+        """This global rank's value of a per-rank field (one value for all, or one per rank)."""
+        values = getattr(self, name).split(",")
+        return values[rank if len(values) == world else 0].strip()
+
+    def max_batches(self, world: int) -> list[float] | None:
+        """Per-rank maximum batch sizes for the partitioner (None: no limit anywhere)."""
+        m = [int(self.for_rank("max_batch", r, world)) or float("inf") for r in range(world)]
+        return None if all(v == float("inf") for v in m) else m
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def parse_cores(text: str) -> set[int]:
+    """CPU cores from "0-3", "4+6" or "5" (ranges joined by +)."""
+    cores: set[int] = set()
+    for part in text.strip().split("+"):
+        a, _, b = part.partition("-")
+        lo, hi = int(a), int(b or a)
+        if lo < 0 or hi < lo:
+            raise ValueError(text)
+        cores.update(range(lo, hi + 1))
+    return cores
 
 
 def _flag(name: str) -> str:

@@ -25,22 +25,47 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def coll_device(self) -> torch.device:
+        """Where small collective tensors live: the GPU under nccl, the CPU under gloo (also for GPU ranks)."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
 
 def env_world() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) outside torchrun."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def resolve_device(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def pick_device(device: str, local_rank: int) -> torch.device:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
+    """cpu, cuda (the local rank's GPU, modulo the GPUs present) or cuda:K."""
+    device = resolve_device(device)
+    if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was asked for but torch sees no GPU (use --device cpu)")
+            raise RuntimeError(f"--device {device} was asked for but torch sees no GPU (use --device cpu)")
         n = torch.cuda.device_count()
-        torch.cuda.set_device(local_rank % n)
-        return torch.device("cuda", local_rank % n)
+        index = int(device.split(":")[1]) if ":" in device else local_rank % n
+        if index >= n:
+            raise RuntimeError(f"--device {device}: this host has {n} GPU(s)")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def apply_cpu_budget(threads: int, cores: set[int] | None, device: str) -> None:
+    """Pin this rank to its cores and size torch's thread pool; ranks on one host share its cores by default."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+    if threads:
+        torch.set_num_threads(threads)
+    elif cores:
+        torch.set_num_threads(len(cores))
+    elif not resolve_device(device).startswith("cuda"):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
 
 
 def _free_port() -> int:
@@ -49,14 +74,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def setup(device: str, backend: str, timeout_s: float) -> World:
-    """Join (or, outside torchrun, create a one-rank) process group; gloo for CPU, nccl when every rank has a GPU."""
+def setup(devices: list[str], backend: str, timeout_s: float) -> World:
+    """Join (or, outside torchrun, create a one-rank) process group. devices: every global rank's device, so all
+    ranks agree on the backend: nccl when every rank has a GPU, gloo otherwise (CPU and mixed jobs)."""
     rank, world, local_rank = env_world()
     if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    dev = pick_device(device, local_rank)
+    dev = pick_device(devices[rank], local_rank)
     if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+        backend = "nccl" if all(resolve_device(d).startswith("cuda") for d in devices) else "gloo"
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
                             device_id=dev if backend == "nccl" else None)
     return World(rank, world, local_rank, dev, backend)
@@ -157,9 +183,9 @@ def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.stack(out).cpu()
 
 
-def sum_all(values: torch.Tensor) -> torch.Tensor:
+def sum_all(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Element-wise float64 sum over ranks (exact metric totals)."""
-    t = values.to(torch.float64).clone()
+    t = values.to(device=device, dtype=torch.float64, copy=True)
     dist.all_reduce(t)
     return t.cpu()
 

@@ -29,10 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import __version__
-from .config import Config, ConfigError, default_run_dir, parse_args
+from .config import Config, ConfigError, default_run_dir, parse_args, parse_cores
 from .data import DataError, DataSet, DeviceLoader, load_data
-from .dist import (HookState, StepClock, World, average_buffers, env_world, gather_rows, setup, sum_all,
-                   teardown, weighted_allreduce_hook, wrap_ddp)
+from .dist import (HookState, StepClock, World, apply_cpu_budget, average_buffers, env_world, gather_rows, setup,
+                   sum_all, teardown, weighted_allreduce_hook, wrap_ddp)
 from .emulator import Emulator
 from .models import build_model
 from .partition import SCHEMES, Balancer
@@ -115,7 +115,7 @@ class Trainer:
                                    weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
         self.balancer = Balancer(self.scheme.rule, world.world, cfg.global_batch, cfg.min_batch,
-                                 cfg.max_batch or None, cfg.smoothing, cfg.deadband)
+                                 cfg.max_batches(world.world), cfg.smoothing, cfg.deadband)
         self.emulator = Emulator(cfg.hetero, world.rank, cfg.seed)
         self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment)
         lo, hi = (len(data.test_y) * world.rank) // world.world, (len(data.test_y) * (world.rank + 1)) // world.world
@@ -152,7 +152,7 @@ class Trainer:
 
     def rebalance(self, sizes: np.ndarray, compute_s: np.ndarray) -> None:
         """Collective: every rank gathers all ranks' step compute times and runs the same pure decision."""
-        times = gather_rows(torch.from_numpy(compute_s), self.world.device).numpy().T  # [steps, world]
+        times = gather_rows(torch.from_numpy(compute_s), self.world.coll_device).numpy().T  # [steps, world]
         if self.replay is None:
             self.balancer.observe(sizes, times)
             self.balancer.decide()
@@ -197,17 +197,17 @@ class Trainer:
             self.global_step += 1
             if bar is not None:
                 bar.update(1)
-        bad = gather_rows(first_bad.reshape(1), w.device).flatten()
+        bad = gather_rows(first_bad.reshape(1), w.coll_device).flatten()
         if (bad >= 0).any():
             step = int(bad[bad >= 0].min())
             kept = f"epochs 1..{epoch - 1} and their checkpoint are kept" if epoch > 1 else "no epoch had completed"
             raise TrainingError(f"non-finite loss at epoch {epoch} step {step}: stopping (lower --lr?); {kept}")
-        per_rank = gather_rows(torch.from_numpy(np.stack([compute, wait, delay])), w.device).numpy()
+        per_rank = gather_rows(torch.from_numpy(np.stack([compute, wait, delay])), w.coll_device).numpy()
         if self.replay is None and self.balancer.rule != "static":
             self.balancer.observe(sizes[last_decision:], per_rank[:, 0, last_decision:].T)
             self.balancer.decide()
         train_s = time.perf_counter() - t0
-        totals = sum_all(sums)
+        totals = sum_all(sums, w.coll_device)
         return {"sizes": sizes, "per_rank": per_rank, "train_s": train_s,
                 "train_loss": float(totals[0] / totals[2]), "train_top1": float(totals[1] / totals[2])}
 
@@ -236,7 +236,7 @@ class Trainer:
                 bar.close()
             t_eval = time.perf_counter()
             average_buffers(self.model)
-            ev = sum_all(evaluate(self.model, self.test, cfg.eval_batch))
+            ev = sum_all(evaluate(self.model, self.test, cfg.eval_batch), w.coll_device)
             eval_s = time.perf_counter() - t_eval
             self.sched.step()
             self.epoch, self.train_time_s = epoch, self.train_time_s + r["train_s"]
@@ -330,11 +330,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         say(e)
         return 2
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    elif cfg.device != "cuda":  # ranks sharing a host share its cores instead of each taking all of them
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    device = cfg.for_rank("device", rank, world_size)
+    cores = parse_cores(cfg.for_rank("affinity", rank, world_size)) if cfg.affinity else None
+    try:
+        apply_cpu_budget(int(cfg.for_rank("threads", rank, world_size)), cores, device)
+    except OSError as e:
+        say(f"--affinity {cfg.affinity!r}: cannot pin rank {rank} to cores {sorted(cores)} ({e.strerror})")
+        return 2
 
     def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer, ok = None, False
     try:
-        world = setup(cfg.device, cfg.backend, cfg.timeout_s)
+        world = setup([cfg.for_rank("device", r, world_size) for r in range(world_size)], cfg.backend, cfg.timeout_s)
         run_dir = Path(cfg.run_dir)
         trainer = Trainer(cfg, world, data, run_dir, replay)
         if resume:

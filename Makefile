@@ -45,6 +45,49 @@ test: $(STAMP)  ## the test suite (CPU, gloo; a few minutes on 2 cores)
 	$(BIN)/python -m pytest -q tests
 
 # --- grids and reports (notebooks) ---
+# make grid PARAMS=notebooks/params/paper.yaml [GRID=name] [EPOCHS=3 SEED='[0, 1]' ...]: papermill runs
+# notebooks/grid.ipynb into runs/GRID/grid.ipynb; a set Make variable (a config field, NPROC, RUN_TIMEOUT_S) overrides
+# the YAML file and may be a list. make report GRID=name (or RUNS='runs/a runs/b' REPORT_DIR=...) renders the report.
+PARAMS ?= notebooks/params/demo.yaml
+GRID ?= $(basename $(notdir $(PARAMS)))
+REPORT_DIR ?= runs/$(GRID)/report
+RUNS ?=
+TARGET_TOP1 ?=
+RUN_TIMEOUT_S ?=
+PAPERMILL := PYTHONPATH=$(CURDIR) $(BIN)/papermill -k python3 --cwd $(CURDIR) --no-progress-bar --log-output
+lower = $(shell printf '%s' '$(1)' | tr A-Z a-z)
+GRID_OVERRIDES := $(foreach v,$(FIELDS) RUN_TIMEOUT_S,$(if $(value $(v)),-y '$(call lower,$(v)): $($(v))')) \
+	$(if $(filter command line environment,$(origin NPROC)),-p nproc $(NPROC))
+comma := ,
+empty :=
+space := $(empty) $(empty)
+define grid_recipe  # $(1): grid name, $(2): parameter file
+	mkdir -p runs/$(1)
+	$(PAPERMILL) notebooks/grid.ipynb runs/$(1)/grid.ipynb -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs
+endef
+define report_recipe  # $(1): grid folder, $(2): output folder
+	mkdir -p $(2)
+	$(PAPERMILL) notebooks/report.ipynb $(2)/report.ipynb -p grid_dir $(1) -p out_dir $(2) \
+		$(if $(RUNS),-y 'run_dirs: [$(subst $(space),$(comma)$(space),$(strip $(RUNS)))]') \
+		$(if $(TARGET_TOP1),-p target_top1 $(TARGET_TOP1))
+	$(BIN)/jupyter nbconvert --to html --no-input --log-level WARN $(2)/report.ipynb
+	@echo "report: $(2)/report.html (figures: $(2)/*.png, *.svg; table: $(2)/summary.csv)"
+endef
+.PHONY: grid report lab demo
+
+grid: $(STAMP)  ## a grid of runs from PARAMS=notebooks/params/NAME.yaml into runs/GRID (default: the file's name)
+	$(call grid_recipe,$(GRID),$(PARAMS))
+
+report: $(STAMP)  ## the HTML report (no code) and figures of runs/GRID, or of RUNS='runs/a runs/b'
+	$(call report_recipe,runs/$(GRID),$(REPORT_DIR))
+
+lab: $(STAMP)  ## JupyterLab on notebooks/ with this checkout's kernel "Python (hetero)"
+	$(BIN)/python -m ipykernel install --user --name hetero --display-name "Python (hetero)" >/dev/null
+	PYTHONPATH=$(CURDIR) $(BIN)/jupyter lab --notebook-dir=$(CURDIR) notebooks/
+
+demo: $(STAMP)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slower) and its report, ~3 min on 2 CPUs
+	$(call grid_recipe,demo,notebooks/params/demo.yaml)
+	$(call report_recipe,runs/demo,runs/demo/report)
 # --- end grids and reports ---
 
 # --- simulator ---

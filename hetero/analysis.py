@@ -98,6 +98,7 @@ def load(source: str | Path | Sequence[str | Path]) -> Frames:
         for name in tables:
             df = pd.read_csv(path / f"{name}.csv")
             tables[name].append(df.assign(**ident)[RUN_KEYS + list(df.columns)])
+    runs += _unlaunched(source, {r["run"] for r in runs})
     order = {"scheme": list(SCHEMES)}
     frames = Frames(pd.DataFrame(runs), *(pd.concat(t, ignore_index=True) if t else pd.DataFrame(columns=RUN_KEYS)
                                           for t in tables.values()))
@@ -108,6 +109,17 @@ def load(source: str | Path | Sequence[str | Path]) -> Frames:
             df.drop(columns="scheme_rank", inplace=True)
             df.reset_index(drop=True, inplace=True)
     return frames
+
+
+def _unlaunched(source, seen: set[str]) -> list[dict]:
+    """Runs a grid recorded (grid.csv) that left no run folder, e.g. failed before training started."""
+    if not isinstance(source, (str, Path)) or not (from_root(source) / "grid.csv").exists():
+        return []
+    table = pd.read_csv(from_root(source) / "grid.csv", keep_default_na=False)
+    return [{"run": r["run"], "model": r["model"], "hetero": r["hetero"],
+             "setting": f"{r['model']}, {hetero_label(r['hetero'])}", "scheme": r["scheme"],
+             "scheme_label": scheme_label(r["scheme"]), "seed": r["seed"], "status": r["status"],
+             "error": r["error"]} for _, r in table.iterrows() if r["run"] not in seen]
 
 
 def completed(frames: Frames) -> pd.DataFrame:
@@ -191,7 +203,7 @@ def describe(frames: Frames) -> str:
     runs, done = frames.runs, completed(frames)
 
     def values(col: str) -> str:
-        return ", ".join(str(v) for v in dict.fromkeys(runs[col]))
+        return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in dict.fromkeys(runs[col].dropna()))
     text = (f"**{len(runs)} runs**, {len(done)} completed: model {values('model')}; scheme "
             f"{', '.join(scheme_label(s) for s in dict.fromkeys(runs['scheme']))}; heterogeneity "
             f"{'; '.join(hetero_label(h) for h in dict.fromkeys(runs['hetero']))}; seeds {values('seed')}; "

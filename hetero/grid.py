@@ -217,8 +217,10 @@ def _error(run_dir: Path, log: Path, returncode: int | None, timeout_s: float) -
         return json.loads(summary.read_text())["error"].splitlines()[0][:300]
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()] if log.exists() else []
     marked = [ln for ln in lines if re.match(r"hetero: (rank \d+: )?error:", ln)]
-    last = (marked or [ln for ln in lines if "Error" in ln] or lines or [""])[-1]
-    return (last or f"exited with status {returncode}")[:300]
+    # else the root cause: the first exception line of a worker's traceback, not torchrun's own ChildFailedError
+    raised = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b:?", ln) and "ChildFailed" not in ln]
+    line = marked[-1] if marked else raised[0] if raised else f"exited with status {returncode}"
+    return line[:300]
 
 
 def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:

@@ -94,6 +94,17 @@ demo: $(STAMP)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slowe
 # --- end simulator ---
 
 # --- benchmarks ---
+# make bench [QUICK=1]: the benchmark suite, measured side by side on CPU ranks (hetero/bench.py), into
+# runs/bench/<time>/bench.json and table.md. make gpu-check runs on a GPU machine with its own python3 and torch.
+QUICK ?=
+GPU_CHECK_OUT ?= runs/gpu_check.json
+.PHONY: bench gpu-check
+
+bench: $(STAMP)  ## benchmarks on CPU ranks (~8 min on 2 cores; QUICK=1 ~2 min): runs/bench/<time>/bench.json
+	$(BIN)/python -m hetero.bench $(if $(QUICK),--quick)
+
+gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): GPU_CHECK_OUT (.json and .md)
+	$(PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
 # --- end benchmarks ---
 
 clean-venv:  ## remove the virtual environment

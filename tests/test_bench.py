@@ -1,0 +1,59 @@
+"""Smoke tests of the benchmark suite (python -m hetero.bench) and the GPU check (scripts/gpu_check.py --smoke)
+at their smallest sizes on CPU: they run, write their files, and their ratios are sane. No absolute times."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+from conftest import ROOT, _env
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+def test_bench_quickest(tmp_path):
+    out = tmp_path / "bench"
+    p = _run([sys.executable, "-m", "hetero.bench", "--quick", "--out", str(out), "--worlds", "2", "--slowdowns", "3",
+              "--schemes", "edp", "--epochs", "2", "--subset", "512", "--global-batch", "64",
+              "--overhead-epochs", "2", "--max-workers", "16"], timeout=240)
+    res = json.loads((out / "bench.json").read_text())
+    assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
+    assert res["meta"]["plan"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.bench")
+
+    (r,) = res["balance"]
+    assert (r["world"], r["slowdown"], r["scheme"], r["speedup_vs_sync"]) == (2, 3.0, "edp", None)
+    assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("over_ideal", "over_sync_bound")) and r["jitter"] >= 0
+    assert 0.3 < r["over_ideal"] < 5 and abs(sum(r["shares"]) - 1) < 0.01
+    assert r["shares"][1] < 0.5  # the slowed rank (the last) was given less work
+    m = r["cost_model"]
+    assert m["scale"][1] > m["scale"][0] and m["ideal_sizes"][1] < m["ideal_sizes"][0]
+    assert m["ideal_step_s"] < m["sync_step_s"] and sum(m["ideal_sizes"]) == 64
+    assert r["predicted_speedup"] > 1.1  # a 3x slower rank: balancing must be predicted to pay
+
+    ov = res["overhead"]
+    assert 0.25 < ov["ratio"] < 4 and len(ov["samples"]["trainer"]) == len(ov["samples"]["plain"]) == 1
+
+    dec = res["balancer"]
+    assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
+                                                        for n in (2, 4, 8, 16)}
+    assert all(r["decision_ms"] > 0 for r in dec)
+    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "trainer"}
+
+
+def test_gpu_check_smoke(tmp_path):
+    out = tmp_path / "gpu" / "check.json"
+    _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--out", str(out),
+          "--work-dir", str(tmp_path / "work")], timeout=180)
+    res = json.loads(out.read_text())
+    assert out.with_suffix(".md").read_text().startswith("# GPU check")
+    (tp,) = res["throughput"]
+    assert "error" not in tp and tp["model"] == "tiny"
+    assert all(tp[k] > 0 for k in ("raw_samples_s", "raw_synced_samples_s", "trainer_samples_s", "trainer_over_raw"))
+    (edp,) = res["pair"]["rows"]
+    assert "error" not in edp and edp["scheme"] == "edp" and len(edp["shares"]) == 2
+    assert edp["shares"][1] < edp["shares"][0]  # rank 1 is the slowed one

@@ -302,8 +302,11 @@ def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
             run_dir = str(Path("runs") / f"{cfg.model}-{cfg.scheme}-{run_id[:12]}")
         else:
             run_dir = str(default_run_dir(cfg, datetime.now().strftime("%Y%m%d-%H%M%S")))
-    resume = bool(cfg.resume) or (restarted and (Path(run_dir) / "checkpoint.pt").exists())
-    return Config(**{**cfg.to_dict(), "run_dir": run_dir}), resume
+    has_checkpoint = (Path(run_dir) / "checkpoint.pt").exists()
+    resume = bool(cfg.resume) or (restarted and has_checkpoint)
+    # a restart before the first checkpoint starts the run again in its own folder
+    overwrite = cfg.overwrite or (restarted and not has_checkpoint)
+    return Config(**{**cfg.to_dict(), "run_dir": run_dir, "overwrite": overwrite and not resume}), resume
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -167,3 +167,25 @@ def test_replay_is_bit_identical_and_resume_equals_uninterrupted(tmp_path):
     a = torch.load(part / "checkpoint.pt", weights_only=False)["model"]
     b = torch.load(tmp_path / "full" / "checkpoint.pt", weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, "--subset", "1024", "--epochs", "3", "--hetero", "1:delay=0.1", "--timeout-s", "20",
+            "--run-dir", str(run)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "hetero.train", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    _wait_rows(run / "epochs.csv", 1, proc)
+    time.sleep(0.3)
+    os.kill(_rank_pid(proc, 1), signal.SIGKILL)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    r = read_run(run)
+    assert r["epochs"].epoch.tolist() == [1, 2, 3] and r["summary"]["status"] == "completed"
+    assert "resuming after epoch" in out

@@ -99,48 +99,61 @@ def proportional_shares(samples, compute_s) -> np.ndarray:
 
 # -- the affine model: step_s = fixed_s + per_sample_s * batch, per rank ---------------------------------------
 
-STALL = 10.0  # a step slower than this many times its rank's median is a stall, clipped before fitting
+STALL = 10.0  # a step beyond its rank's median + max(median, STALL x MAD) is a stall: clipped for the slope
+N_STATS = 7    # per rank and window: count, sum b, sum t, sum b², and with stalls clipped: sum b·t, sum t², sum t
 
 
 def window_stats(batch, step_s) -> np.ndarray:
-    """Sufficient statistics [6, world] (count, sum b, sum t, sum b², sum b·t, sum t²) of one window of steps.
+    """Sufficient statistics [N_STATS, world] of one window of steps; batch and step_s are [steps, world].
 
-    batch and step_s are [steps, world]. Steps a rank sat out (batch 0) or did not time are left out. A step far
-    above the rank's median (a stall: more than STALL times it) is clipped to that level, so one hiccup cannot
-    move the fit, while random delays keep their mean (an exponential delay passes 10x its median once in 1000).
+    Steps a rank sat out (batch 0) or did not time are left out. The mean time keeps every step: random delays
+    are part of a rank's cost, at their mean. The slope sees stalls (beyond median + max(median, STALL x MAD))
+    clipped, so a rare hiccup or a heavy-tailed delay that falls on one batch size cannot tilt it; the probe's
+    two sizes (at most 1.86x apart in time) pass untouched.
     """
     b, t = np.atleast_2d(np.asarray(batch, float)), np.atleast_2d(np.asarray(step_s, float))
     ok = (b > 0) & np.isfinite(t)
     every = ok.all()
     if not every:
         b, t = np.where(ok, b, 0.0), np.where(ok, t, np.inf)
-    # The median of at most 17 spread-out steps is plenty for a 10x threshold and costs one small partition.
+    # Median and MAD of at most 17 spread-out steps: plenty for a threshold, and cheap for 4096 ranks.
     rows = t[np.unique(np.linspace(0, len(t) - 1, min(len(t), 17)).astype(int))] if len(t) else t
     k = (len(rows) - 1) // 2
-    med = np.partition(rows, k, axis=0)[k] if len(rows) else np.zeros(t.shape[1])
-    t = np.minimum(t, STALL * med)
+    tc = t
+    if len(rows):
+        with np.errstate(invalid="ignore"):  # inf - inf where a rank sat out: NaN, sorted last
+            med = np.partition(rows, k, axis=0)[k]
+            mad = np.partition(np.abs(rows - med), k, axis=0)[k]
+            tc = np.minimum(t, med + np.maximum(med, STALL * mad))
     if not every:
-        t = np.where(ok, t, 0.0)
+        t, tc = np.where(ok, t, 0.0), np.where(ok, tc, 0.0)
     dot = lambda x, y: np.einsum("ij,ij->j", x, y)  # noqa: E731 - column sums of products, no temporaries
-    return np.stack([ok.sum(0), b.sum(0), t.sum(0), dot(b, b), dot(b, t), dot(t, t)]).astype(float)
+    return np.stack([ok.sum(0), b.sum(0), t.sum(0), dot(b, b), dot(b, tc), dot(tc, tc), tc.sum(0)]).astype(float)
+
+
+def _moments(stats: np.ndarray):
+    """Mean size, mean time (all steps), and centred sums: b·b, b·t and t·t (stalls clipped), per rank."""
+    n, sb, st, sbb, sbt, stt, stc = stats
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mb, mt, mtc = sb / n, st / n, stc / n
+        vbb = np.maximum(sbb - n * mb * mb, 0.0)
+        spread = vbb > 1e-9 * n * mb * mb  # below this the sizes differ only by float rounding: no slope at all
+        vbb, vbt = np.where(spread, vbb, 0.0), np.where(spread, sbt - n * mb * mtc, 0.0)
+        vtt = np.maximum(stt - n * mtc * mtc, 0.0)
+    return n, mb, mt, vbb, vbt, vtt
 
 
 def fit_stats(stats: np.ndarray, prior_per_sample_s=None, prior_rel: float = 0.3) -> tuple[np.ndarray, np.ndarray]:
-    """Least-squares fixed_s, per_sample_s [world] from pooled window statistics [6, world].
+    """Least-squares fixed_s, per_sample_s [world] from pooled window statistics [N_STATS, world].
 
     With a prior slope the fit is its Bayesian update (prior std prior_rel x prior): precise data overrule it,
     a window with one batch size (no slope information) keeps it. Without a prior and without two distinct
     batch sizes, the time is taken as all per-sample (the proportional model). Fixed parts are >= 0 and
     per-sample costs > 0; ranks without observations come back as NaN.
     """
-    n, sb, st, sbb, sbt, stt = stats
+    n, mb, mt, vbb, vbt, vtt = _moments(stats)
     with np.errstate(invalid="ignore", divide="ignore"):
-        mb, mt = sb / n, st / n
-        vbb = np.maximum(sbb - n * mb * mb, 0.0)
-        vbt = sbt - n * mb * mt
-        spread = vbb > 1e-9 * n * mb * mb  # below this the sizes differ only by float rounding: no slope at all
-        vbb, vbt = np.where(spread, vbb, 0.0), np.where(spread, vbt, 0.0)
-        resid = np.maximum(stt - n * mt * mt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / np.maximum(n - 2, 1)
+        resid = np.maximum(vtt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / np.maximum(n - 2, 1)
         origin = mt / mb
         if prior_per_sample_s is None:
             c = np.where(vbb > 0, vbt / vbb, origin)
@@ -258,8 +271,8 @@ class Balancer:
     fixed_s: np.ndarray = field(default=None)
     per_sample_s: np.ndarray = field(default=None)
     decisions: int = 0
-    _pending: list = field(default_factory=list, repr=False)   # [6, world] stats since the last decision
-    _windows: np.ndarray = field(default=None, repr=False)     # [k, 6, world] stats of the kept windows
+    _pending: list = field(default_factory=list, repr=False)   # [N_STATS, world] per window since the decision
+    _windows: np.ndarray = field(default=None, repr=False)     # [k, N_STATS, world] the kept windows
     _probe_sizes: tuple = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -273,7 +286,7 @@ class Balancer:
         if self.sizes is None:
             self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch)
         if self._windows is None:
-            self._windows = np.zeros((0, 6, self.world))
+            self._windows = np.zeros((0, N_STATS, self.world))
 
     @property
     def probing(self) -> bool:
@@ -331,13 +344,12 @@ class Balancer:
         if len(kept):
             # A rank whose mean time moved at an unchanged mean batch size changed speed: forget its past.
             prev = kept[-1]
+            n_new, mb_new, mt_new, _, _, vtt_new = _moments(new)
+            n_old, mb_old, mt_old, _, _, vtt_old = _moments(prev)
             with np.errstate(invalid="ignore", divide="ignore"):
-                mb_new, mb_old = new[1] / new[0], prev[1] / prev[0]
-                mt_new, mt_old = new[2] / new[0], prev[2] / prev[0]
-                var = (np.maximum(new[5] / new[0] - mt_new ** 2, 0) / new[0]
-                       + np.maximum(prev[5] / prev[0] - mt_old ** 2, 0) / prev[0])
+                se = np.sqrt(vtt_new / n_new ** 2 + vtt_old / n_old ** 2)  # of the difference of the two means
                 same_size = np.abs(mb_new - mb_old) <= np.maximum(0.5, 0.01 * mb_old)
-                moved = np.abs(mt_new - mt_old) > 0.02 * mt_old + 4 * np.sqrt(var)
+                moved = np.abs(mt_new - mt_old) > 0.02 * mt_old + 4 * se
             kept = np.where((same_size & moved & (new[0] > 0))[None, None, :], 0.0, kept)
         pooled = kept.sum(0) + new
         prior = self.per_sample_s
@@ -372,7 +384,7 @@ class Balancer:
         self.decisions = int(d["decisions"])
         self._pending = [np.asarray(p, float) for p in d.get("pending", [])]
         w = np.asarray(d.get("windows", []), float)
-        self._windows = w.reshape(-1, 6, self.world) if w.size else np.zeros((0, 6, self.world))
+        self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
         self._probe_sizes = None
 
 

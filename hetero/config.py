@@ -45,6 +45,8 @@ class Config:
     resume: str = ""                  # a run folder to continue from its last checkpoint (its config is reused)
     replay: str = ""                  # a run folder whose recorded batch sizes this run reuses
     eval_batch: int = 1000            # per-rank evaluation batch size
+    bf16: bool = False                # bf16 autocast for forward and loss (GPU fast path)
+    channels_last: bool = False       # channels-last memory format for model and batches (GPU fast path)
 
     def __post_init__(self):
         from .emulator import parse_hetero

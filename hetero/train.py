@@ -106,8 +106,10 @@ class Trainer:
         self.scheme = SCHEMES[cfg.scheme]
         dev = world.device
         torch.manual_seed(cfg.seed)  # same initial weights on every rank (DDP also broadcasts rank 0's)
-        model = build_model(cfg.model, len(data.classes)).to(dev)
+        self.memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        model = build_model(cfg.model, len(data.classes)).to(dev, memory_format=self.memory_format)
         self.model = model
+        self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
         self.ddp = wrap_ddp(model, dev)
         self.hook = HookState(weight=1.0 / world.world)
         self.ddp.register_comm_hook(self.hook, weighted_allreduce_hook)
@@ -167,10 +169,18 @@ class Trainer:
         compute, wait, delay = np.zeros(steps), np.zeros(steps), np.zeros(steps)
         sums = torch.zeros(3, dtype=torch.float64, device=w.device)  # loss sum, correct, count
         first_bad = torch.tensor(-1, device=w.device)
+        clocks: list[StepClock] = []
+
+        def read_clocks(upto: int) -> None:  # CUDA events are read late, so the host never waits on them per step
+            for s in range(upto - len(clocks), upto):
+                compute[s], wait[s] = clocks[s - upto + len(clocks)].read()
+            clocks.clear()
+
         last_decision = 0
         t0 = time.perf_counter()
         for step in range(steps):
             if cfg.rebalance_every and step and step % cfg.rebalance_every == 0:
+                read_clocks(step)
                 self.rebalance(sizes[last_decision:step], compute[last_decision:step])
                 last_decision = step
             sizes[step] = self.sizes_for(epoch, step)
@@ -181,8 +191,9 @@ class Trainer:
             self.hook.on_ready = self._delay_hook(epoch, step, clock, delay) if self.emulator.effects else None
             clock.mark("start")
             x, y = self.train.batch(plan.indices(step, sizes[step], rank))
-            out = self.ddp(x)
-            loss = F.cross_entropy(out, y)
+            with self.autocast:
+                out = self.ddp(x.contiguous(memory_format=self.memory_format))
+                loss = F.cross_entropy(out.float(), y)
             loss.backward()
             clock.mark("returned")
             self.opt.step()
@@ -193,10 +204,11 @@ class Trainer:
                 first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
                                         torch.tensor(step, device=w.device), first_bad)
             clock.mark("end")
-            compute[step], wait[step] = clock.read()
+            clocks.append(clock)
             self.global_step += 1
             if bar is not None:
                 bar.update(1)
+        read_clocks(steps)
         bad = gather_rows(first_bad.reshape(1), w.coll_device).flatten()
         if (bad >= 0).any():
             step = int(bad[bad >= 0].min())

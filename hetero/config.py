@@ -68,7 +68,7 @@ class Config:
                     raise ConfigError(f"--{_flag(name)} {getattr(self, name)!r}: expected whole numbers >= 0, "
                                       f"one or one per rank")
         if self.affinity:
-            for part in self.affinity.split(","):
+            for part in filter(None, self.affinity.split(",")):  # an empty entry leaves that rank unpinned
                 try:
                     parse_cores(part)
                 except ValueError:

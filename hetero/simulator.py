@@ -215,6 +215,17 @@ def compare(scenario: Scenario, schemes=("sync", "dp", "affine"), **kw) -> dict[
     return {s: simulate(scenario, s, **kw) for s in schemes}
 
 
+def sweep(scenarios: dict[str, Scenario], schemes=("sync", "dp", "affine"), per: str = "epoch",
+          **kw) -> pd.DataFrame:
+    """Every scheme on every named scenario: one tidy frame (per="epoch", "step" or "share"), column scenario."""
+    frames = []
+    for name, sc in scenarios.items():
+        for scheme, res in compare(sc, schemes, **kw).items():
+            df = {"epoch": res.epochs_frame, "step": res.steps_frame, "share": res.shares_frame}[per]()
+            frames.append(df.assign(scenario=name))
+    return pd.concat(frames, ignore_index=True)
+
+
 def decision_time_s(world: int = 4096, steps: int = 50, repeats: int = 7, seed: int = 0) -> dict[str, float]:
     """Wall time (s) of one observe+decide of each dynamic rule for `world` ranks (the fastest of `repeats`)."""
     sc = Scenario.mixed(world, seed=seed)

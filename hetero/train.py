@@ -346,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         say(e)
         return 2
     device = cfg.for_rank("device", rank, world_size)
-    cores = parse_cores(cfg.for_rank("affinity", rank, world_size)) if cfg.affinity else None
+    own_cores = cfg.for_rank("affinity", rank, world_size) if cfg.affinity else ""
+    cores = parse_cores(own_cores) if own_cores else None
     try:
         apply_cpu_budget(int(cfg.for_rank("threads", rank, world_size)), cores, device)
     except OSError as e:

@@ -80,7 +80,9 @@ class Config:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"--{_flag(name)} must be positive (got {v})")
-        for name in ("momentum", "weight_decay", "subset", "test_subset", "rebalance_every", "min_batch", "seed"):
+        if self.min_batch < 1:  # under DDP every rank joins every all-reduce, so every rank computes something
+            raise ConfigError(f"--min-batch must be at least 1 (got {self.min_batch})")
+        for name in ("momentum", "weight_decay", "subset", "test_subset", "rebalance_every", "seed"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"--{_flag(name)} must be non-negative (got {v})")

@@ -146,9 +146,7 @@ class Trainer:
 
     # -- one epoch --------------------------------------------------------------------------------------------
     def sizes_for(self, epoch: int, step: int) -> np.ndarray:
-        if self.replay is not None:
-            if epoch not in self.replay or step >= len(self.replay[epoch]):
-                raise TrainingError(f"the replayed run has no batch sizes for epoch {epoch} step {step}")
+        if self.replay is not None:  # checked up front to cover every epoch and step
             return self.replay[epoch][step]
         return self.balancer.sizes_for_step(step)
 
@@ -340,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.global_batch > len(data.train_y):
             raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")
         replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
+        steps = len(data.train_y) // cfg.global_batch
+        missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
+        if missing:
+            raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
         if ns.check:
             return 0
     except (ConfigError, DataError) as e:

@@ -39,6 +39,9 @@ BAD = [
     (["--epochs", "two"], "invalid int value"),
     (["--run-dir", "/proc/hetero-run"], "is not writable"),
     (["--resume", "/nonexistent/run"], "cannot resume"),
+    (["--data", "imagefolder", "--data-dir", "/nonexistent"], "has no train/ subfolder"),
+    (["--min-batch", "0"], "--min-batch must be at least 1"),
+    (["--device", "tpu"], "unknown device"),
 ]
 
 

@@ -99,16 +99,19 @@ def load(source: str | Path | Sequence[str | Path]) -> Frames:
             df = pd.read_csv(path / f"{name}.csv")
             tables[name].append(df.assign(**ident)[RUN_KEYS + list(df.columns)])
     runs += _unlaunched(source, {r["run"] for r in runs})
-    order = {"scheme": list(SCHEMES)}
-    frames = Frames(pd.DataFrame(runs), *(pd.concat(t, ignore_index=True) if t else pd.DataFrame(columns=RUN_KEYS)
-                                          for t in tables.values()))
-    for df in (frames.runs, frames.epochs, frames.ranks, frames.steps):
-        if len(df):
-            df["scheme_rank"] = df["scheme"].map(lambda s: order["scheme"].index(s) if s in SCHEMES else 99)
-            df.sort_values(["model", "hetero", "scheme_rank", "seed"], kind="stable", inplace=True)
-            df.drop(columns="scheme_rank", inplace=True)
-            df.reset_index(drop=True, inplace=True)
-    return frames
+    frames = [pd.DataFrame(runs)] + [pd.concat(t, ignore_index=True) if t else pd.DataFrame(columns=RUN_KEYS)
+                                     for t in tables.values()]
+    return Frames(*(_in_order(df) for df in frames))
+
+
+def _in_order(df: pd.DataFrame) -> pd.DataFrame:
+    """Sorted by model, heterogeneity, scheme (Sync-SGD, DP-SGD, EDP-SGD, others) and seed; stable within a run."""
+    if df.empty:
+        return df
+    rank = df["scheme"].map(lambda s: list(SCHEMES).index(s) if s in SCHEMES else len(SCHEMES))
+    keys = df[["model", "hetero", "seed"]].assign(scheme_rank=rank)
+    order = keys.sort_values(["model", "hetero", "scheme_rank", "seed"], kind="stable").index
+    return df.loc[order].reset_index(drop=True)
 
 
 def _unlaunched(source, seen: set[str]) -> list[dict]:

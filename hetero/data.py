@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .sampler import epoch_seed
+from .seeding import SUBSET, epoch_seed
 
 IMAGE_SIZE = 32
 SYNTHETIC_TRAIN, SYNTHETIC_TEST = 10_000, 2_000
@@ -141,7 +141,7 @@ def load_data(name: str, data_dir: str, subset: int = 0, test_subset: int = 0) -
     if subset:
         if subset > len(tx):
             raise DataError(f"--subset {subset} exceeds the {len(tx)} training images of {name}")
-        keep = torch.randperm(len(tx), generator=torch.Generator().manual_seed(epoch_seed(0, 0, 7)))[:subset]
+        keep = torch.randperm(len(tx), generator=torch.Generator().manual_seed(epoch_seed(0, 0, SUBSET)))[:subset]
         tx, ty = tx[keep], ty[keep]
     if test_subset and test_subset < len(vx):
         vx, vy = vx[:test_subset], vy[:test_subset]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampler import epoch_seed
+from .seeding import EMULATOR, epoch_seed
 
 _ITEM = re.compile(r"^(\d+):(delay|exp|gamma|slowdown)=([^@]+)(?:@(.+))?$")
 
@@ -94,7 +94,7 @@ class Emulator:
 
     def start_epoch(self, epoch: int) -> None:
         # Random delays are reproducible per (seed, rank, epoch), so a resumed run draws the same delays.
-        self.rng = np.random.default_rng(epoch_seed(self.seed, epoch, 1000 + self.rank))
+        self.rng = np.random.default_rng(epoch_seed(self.seed, epoch, EMULATOR + self.rank))
 
     @property
     def needs_compute_time(self) -> bool:

@@ -8,13 +8,9 @@ not-yet-seen part of the permutation is simply cut differently: nothing is repea
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-
-def epoch_seed(seed: int, epoch: int, salt: int = 0) -> int:
-    """A deterministic seed per (run seed, epoch, salt): resuming a run needs no saved RNG state."""
-    return int(np.random.SeedSequence([seed, epoch, salt]).generate_state(1)[0])
+from .seeding import PERMUTATION, epoch_seed
 
 
 class EpochPlan:
@@ -25,7 +21,7 @@ class EpochPlan:
             raise ValueError(f"global batch {global_batch} exceeds the {n_samples} training samples")
         self.global_batch = global_batch
         self.steps = n_samples // global_batch
-        gen = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+        gen = torch.Generator().manual_seed(epoch_seed(seed, epoch, PERMUTATION))
         self.perm = torch.randperm(n_samples, generator=gen)
 
     def indices(self, step: int, sizes, rank: int) -> torch.Tensor:

@@ -37,7 +37,8 @@ from .emulator import Emulator
 from .models import build_model
 from .partition import SCHEMES, Balancer
 from .runlog import RunFolder, check_run_dir
-from .sampler import EpochPlan, epoch_seed
+from .sampler import EpochPlan
+from .seeding import AUGMENT, epoch_seed
 
 
 class TrainingError(RuntimeError):
@@ -117,7 +118,7 @@ class Trainer:
                                    weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
         self.balancer = Balancer(self.scheme.rule, world.world, cfg.global_batch, cfg.min_batch,
-                                 cfg.max_batches(world.world), cfg.smoothing, cfg.deadband)
+                                 cfg.max_batches(world.world), cfg.smoothing, cfg.deadband, sit_out=cfg.sit_out)
         self.emulator = Emulator(cfg.hetero, world.rank, cfg.seed)
         self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment)
         lo, hi = (len(data.test_y) * world.rank) // world.world, (len(data.test_y) * (world.rank + 1)) // world.world
@@ -160,7 +161,7 @@ class Trainer:
     def train_epoch(self, epoch: int, bar) -> dict:
         cfg, w, rank = self.cfg, self.world, self.world.rank
         plan = EpochPlan(len(self.train), cfg.global_batch, cfg.seed, epoch)
-        self.train.seed(epoch_seed(cfg.seed, epoch, 2000 + rank))
+        self.train.seed(epoch_seed(cfg.seed, epoch, AUGMENT + rank))
         self.emulator.start_epoch(epoch)
         steps = plan.steps
         sizes = np.zeros((steps, w.world), np.int64)
@@ -186,18 +187,21 @@ class Trainer:
             self.hook.weight = b / cfg.global_batch if self.scheme.weighted else 1.0 / w.world
             clock = StepClock(w.device)
             self.hook.clock = clock
-            self.hook.on_ready = self._delay_hook(epoch, step, clock, delay) if self.emulator.effects else None
+            self.hook.on_ready = self._delay_hook(epoch, step, clock, delay) if self.emulator.effects and b else None
             clock.mark("start")
-            x, y = self.train.batch(plan.indices(step, sizes[step], rank))
+            # A rank sitting out (batch 0) still joins the all-reduce: DDP needs its backward. It computes two
+            # borrowed samples with the loss scaled to zero, and its gradient weight is 0.
+            idx = plan.indices(step, sizes[step], rank) if b else plan.indices(step, sizes[step], 0)[:2]
+            x, y = self.train.batch(idx)
             with self.autocast:
                 out = self.ddp(x.contiguous(memory_format=self.memory_format))
-                loss = F.cross_entropy(out.float(), y)
+                loss = F.cross_entropy(out.float(), y) * (1.0 if b else 0.0)
             loss.backward()
             clock.mark("returned")
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             with torch.no_grad():
-                sums += torch.stack([loss.detach().double() * b, (out.argmax(1) == y).sum().double(),
+                sums += torch.stack([loss.detach().double() * b, (out.argmax(1) == y).sum().double() * (b > 0),
                                      torch.tensor(b, dtype=torch.float64, device=w.device)])
                 first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
                                         torch.tensor(step, device=w.device), first_bad)

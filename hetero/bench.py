@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .partition import SCHEMES, Balancer, affine_batch_sizes, batch_sizes, fit_affine, predicted_step_s
+from .partition import SCHEMES, Balancer, affine_batch_sizes, batch_sizes, predicted_step_s
 
 ROOT = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -64,8 +64,8 @@ class Plan:
     steady_from: int = 3                        # first steady-state epoch (1-based)
     subset: int = 2048                          # synthetic training samples: subset // global_batch steps/epoch
     global_batch: int = 128
-    repeats: int = 3                            # trainer/plain-DDP pairs for the overhead
-    overhead_epochs: int = 5                    # epochs per overhead launch; the first is warm-up
+    repeats: int = 2                            # overhead launches
+    overhead_epochs: int = 16                   # trainer and plain epochs per launch, in turn; the first warm up
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
     parts: tuple[str, ...] = ("balance", "overhead", "balancer")
 
@@ -78,7 +78,7 @@ class Plan:
             raise ValueError(f"unknown part {bad[0]!r}: choose from balance, overhead, balancer")
 
 
-QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), epochs=4, repeats=1, overhead_epochs=3)
+QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), epochs=4, repeats=1, overhead_epochs=8)
 
 
 # -- launching ------------------------------------------------------------------------------------------------
@@ -194,70 +194,89 @@ def balance(plan: Plan, out: Path, calib: tuple[float, float]) -> list[dict]:
 
 
 # -- 2. overhead over a plain DDP loop ------------------------------------------------------------------------
-def plain_ddp(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0) -> None:
-    """The baseline, run by torchrun: a plain DDP loop over the trainer's model, data tensor, batch, optimiser
-    and DDP options (gloo, one thread, no augmentation), each epoch timed as the trainer times epoch_time_s."""
+def overhead_worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0) -> None:
+    """Run by torchrun: the trainer's own epoch loop (Trainer.train_epoch: step clocks, weighting hook, metric
+    accumulation, progress bar, end-of-epoch gathers) and a plain DDP loop written here, over the same model,
+    data tensor, batch, optimiser and DDP options (gloo, one thread, no augmentation), taking turns epoch by
+    epoch in the same processes, so that load from elsewhere on the host falls on both alike."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
+    from tqdm import tqdm
 
+    from .config import Config
     from .data import load_data
-    from .dist import wrap_ddp
+    from .dist import setup, teardown, wrap_ddp
     from .models import build_model
+    from .train import Trainer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cfg = Config(model="tiny", data="synthetic", subset=subset, global_batch=global_batch, epochs=epochs,
+                 scheme="sync", augment=False, threads="1", seed=seed, run_dir=str(out.with_suffix("")))
+    world = setup(["cpu"] * int(os.environ.get("WORLD_SIZE", 1)), "gloo", cfg.timeout_s)
+    ok = False
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        data = load_data("synthetic", "data", subset)
+        data = load_data(cfg.data, cfg.data_dir, subset)
+        trainer = Trainer(cfg, world, data, Path(cfg.run_dir), None)
         mean = torch.tensor(data.mean).view(1, -1, 1, 1) * 255
         std = torch.tensor(data.std).view(1, -1, 1, 1) * 255
         torch.manual_seed(seed)
-        model = wrap_ddp(build_model("tiny", len(data.classes)), torch.device("cpu"))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        b, steps = global_batch // world, len(data.train_y) // global_batch
-        epoch_s = []
-        for epoch in range(epochs):
+        model = wrap_ddp(build_model(cfg.model, len(data.classes)), torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
+                              weight_decay=cfg.weight_decay)
+        b, steps = global_batch // world.world, len(data.train_y) // global_batch
+
+        def plain_epoch(epoch: int) -> float:
             perm = torch.randperm(len(data.train_y), generator=torch.Generator().manual_seed(seed + epoch))
             t0 = time.perf_counter()
             for step in range(steps):
-                idx = perm[step * global_batch + rank * b:][:b]
+                idx = perm[step * global_batch + world.rank * b:][:b]
                 loss = F.cross_entropy(model((data.train_x[idx].float() - mean) / std), data.train_y[idx])
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-            epoch_s.append(time.perf_counter() - t0)
-        if rank == 0:
-            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world}))
+            return time.perf_counter() - t0
+
+        def trainer_epoch(epoch: int) -> float:
+            bar = tqdm(total=steps, leave=False, file=sys.stderr) if world.is_main else None  # as Trainer.fit
+            r = trainer.train_epoch(epoch, bar)
+            if bar is not None:
+                bar.close()
+            return r["train_s"]
+
+        epoch_s: dict[str, list[float]] = {"trainer": [], "plain": []}
+        for epoch in range(1, epochs + 1):
+            for kind in (("trainer", "plain") if epoch % 2 else ("plain", "trainer")):
+                epoch_s[kind].append(trainer_epoch(epoch) if kind == "trainer" else plain_epoch(epoch))
+        if world.is_main:
+            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.world}))
+        ok = True
     finally:
-        dist.destroy_process_group()
+        teardown(ok)
 
 
 def overhead(plan: Plan, out: Path) -> dict:
-    """Trainer (sync, no heterogeneity) and plain DDP launched in alternating order; per-step times of the
-    epochs after the first, pooled over the repeats."""
-    import pandas as pd
-
-    world, step_s = 2, {"trainer": [], "plain": []}
+    """Per-step time of the trainer over that of the plain loop: the median over the epochs after the first of
+    each launch of the ratio of the two epochs run back to back (slow changes of load cancel)."""
+    world, ratios, step_s = 2, [], {"trainer": [], "plain": []}
     for r in range(plan.repeats):
-        for kind in (("trainer", "plain") if r % 2 == 0 else ("plain", "trainer")):
-            name = f"overhead-{kind}-{r}"
-            print(f"bench: {name}", flush=True)
-            if kind == "trainer":
-                e = pd.read_csv(train(plan, out, name, world, "sync", "", plan.overhead_epochs) / "epochs.csv")
-                step_s[kind] += (e.epoch_time_s / e.steps)[e.epoch >= 2].tolist()
-            else:
-                res = out / "runs" / f"{name}.json"
-                torchrun(world, "hetero.bench", ["--plain-ddp", str(res), "--subset", str(plan.subset),
-                                                 "--global-batch", str(plan.global_batch),
-                                                 "--epochs", str(plan.overhead_epochs)], out / "logs" / f"{name}.log")
-                d = json.loads(res.read_text())
-                step_s[kind] += [s / d["steps"] for s in d["epoch_s"][1:]]
+        name = f"overhead-{r}"
+        print(f"bench: {name}", flush=True)
+        res = out / "runs" / f"{name}.json"
+        res.parent.mkdir(parents=True, exist_ok=True)
+        torchrun(world, "hetero.bench", ["--overhead-worker", str(res), "--subset", str(plan.subset),
+                                         "--global-batch", str(plan.global_batch),
+                                         "--overhead-epochs", str(plan.overhead_epochs)], out / "logs" / f"{name}.log")
+        d = json.loads(res.read_text())
+        tr, pl = (np.array(d["epoch_s"][k][1:]) / d["steps"] for k in ("trainer", "plain"))
+        ratios += (tr / pl).tolist()
+        step_s["trainer"] += tr.tolist()
+        step_s["plain"] += pl.tolist()
     med = {k: float(np.median(v)) for k, v in step_s.items()}
-    return {"world": world, "global_batch": plan.global_batch, "trainer_step_s": med["trainer"],
-            "plain_step_s": med["plain"], "ratio": med["trainer"] / med["plain"],
-            "ratio_of_minima": min(step_s["trainer"]) / min(step_s["plain"]),
-            "extra_ms_per_step": 1e3 * (med["trainer"] - med["plain"]), "samples": step_s}
+    return {"world": world, "global_batch": plan.global_batch, "ratio": float(np.median(ratios)),
+            "ratio_of_medians": med["trainer"] / med["plain"],
+            "ratio_of_minima": min(step_s["trainer"]) / min(step_s["plain"]), "trainer_step_s": med["trainer"],
+            "plain_step_s": med["plain"], "extra_ms_per_step": 1e3 * (med["trainer"] - med["plain"]),
+            "pair_ratios": ratios, "step_s": step_s}
 
 
 # -- 3. balancer decision time --------------------------------------------------------------------------------
@@ -320,7 +339,8 @@ def table(res: dict) -> str:
     if ov := res.get("overhead"):
         lines += ["## Overhead (no heterogeneity, 2 ranks)", "",
                   f"trainer {1e3 * ov['trainer_step_s']:.2f} ms/step, plain DDP {1e3 * ov['plain_step_s']:.2f} "
-                  f"ms/step: ratio {ov['ratio']:.3f} (of minima {ov['ratio_of_minima']:.3f}), "
+                  f"ms/step: ratio {ov['ratio']:.3f} (median of {len(ov['pair_ratios'])} back-to-back epoch pairs; "
+                  f"of medians {ov['ratio_of_medians']:.3f}, of minima {ov['ratio_of_minima']:.3f}), "
                   f"{ov['extra_ms_per_step']:+.2f} ms per step", ""]
     if res.get("balancer"):
         lines += ["## One rebalancing decision (median ms)", "", "| workers | " + " | ".join(
@@ -386,10 +406,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int)
     p.add_argument("--overhead-epochs", type=int)
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
-    p.add_argument("--plain-ddp", metavar="FILE", help=argparse.SUPPRESS)  # the baseline worker, run by torchrun
+    p.add_argument("--overhead-worker", metavar="FILE", help=argparse.SUPPRESS)  # run by torchrun
     ns = p.parse_args(argv)
-    if ns.plain_ddp:
-        plain_ddp(Path(ns.plain_ddp), ns.subset, ns.global_batch, ns.epochs)
+    if ns.overhead_worker:
+        overhead_worker(Path(ns.overhead_worker), ns.subset, ns.global_batch, ns.overhead_epochs)
         return 0
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from", "subset",
                                         "global_batch", "repeats", "overhead_epochs") if getattr(ns, k) is not None}

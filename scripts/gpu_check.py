@@ -10,6 +10,8 @@
    epochs after the first.
 2. two ranks on the one GPU (gloo, since NCCL refuses two ranks on one device), rank 1 slowed, every scheme:
    steady-state epoch time, final shares, speedup over sync.
+3. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
+   --channels-last).
 The figures go to --out as JSON and, next to it, as a markdown table (.md), rewritten after every part so that
 a run cut short still leaves what it measured. Needs torch (2.4 or later) and torchvision; not pandas.
 """
@@ -55,8 +57,9 @@ GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680,
 SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64, 120)
 
 
-def raw_samples_s(name: str, s: Sizes, sync_each: bool) -> float:
-    """Samples/s of plain forward, backward and SGD step on one fixed batch held on the device."""
+def raw_samples_s(name: str, s: Sizes, sync_each: bool, fast: bool = False) -> float:
+    """Samples/s of plain forward, backward and SGD step on one fixed batch held on the device (fast: bf16
+    autocast and channels-last, as the trainer's --bf16 --channels-last)."""
     import torch
     import torch.nn.functional as F
 
@@ -66,13 +69,18 @@ def raw_samples_s(name: str, s: Sizes, sync_each: bool) -> float:
     if dev.type == "cpu":  # as the trainer's CPU runs (--threads 1)
         torch.set_num_threads(1)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    fmt = torch.channels_last if fast else torch.contiguous_format
     torch.manual_seed(0)
-    model = build_model(name).to(dev)
+    model = build_model(name).to(dev, memory_format=fmt)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    x, y = torch.randn(s.batch, 3, 32, 32, device=dev), torch.randint(0, 10, (s.batch,), device=dev)
+    x = torch.randn(s.batch, 3, 32, 32, device=dev).contiguous(memory_format=fmt)
+    y = torch.randint(0, 10, (s.batch,), device=dev)
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=fast)
 
     def step() -> None:
-        F.cross_entropy(model(x), y).backward()
+        with autocast:
+            loss = F.cross_entropy(model(x).float(), y)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if sync_each:
@@ -133,16 +141,21 @@ def common_args(s: Sizes, model: str, subset: int, epochs: int, run: Path) -> li
     return args + (["--threads", "1"] if s.device == "cpu" else [])
 
 
-def throughput(s: Sizes, work: Path, left) -> list[dict]:
+def throughput(s: Sizes, work: Path, left, fast: bool = False) -> list[dict]:
     out = []
     for name in s.models:
-        row: dict = {"model": name, "batch": s.batch}
+        row: dict = {"model": name, "batch": s.batch, "path": "bf16 + channels-last" if fast else "float32"}
+        if left() < 30:
+            row["error"] = "skipped: out of time"
+            out.append(row)
+            continue
         try:
-            row["raw_samples_s"] = raw_samples_s(name, s, sync_each=False)
-            row["raw_synced_samples_s"] = raw_samples_s(name, s, sync_each=True)
-            run = work / f"single-{name}"
-            trainer(1, common_args(s, name, s.subset, s.epochs, run) + ["--scheme", "sync"],
-                    work / "logs" / f"single-{name}.log", left())
+            row["raw_samples_s"] = raw_samples_s(name, s, sync_each=False, fast=fast)
+            row["raw_synced_samples_s"] = raw_samples_s(name, s, sync_each=True, fast=fast)
+            tag = f"single-{name}" + ("-fast" if fast else "")
+            run = work / tag
+            trainer(1, common_args(s, name, s.subset, s.epochs, run) + ["--scheme", "sync"] +
+                    (["--bf16", "--channels-last"] if fast else []), work / "logs" / f"{tag}.log", left())
             epoch_s, steps, samples = _steady_epoch_s(run)
             row.update(trainer_samples_s=samples / epoch_s, steps_per_epoch=steps, run_dir=str(run))
             row["trainer_over_raw"] = row["trainer_samples_s"] / row["raw_samples_s"]
@@ -187,11 +200,11 @@ def markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"# GPU check, {m['date']}, {m['host']}: {m['device_name']} (torch {m['torch']})", "",
              f"`{m['command']}`", "", "## Throughput, one rank (samples/s)", "",
-             "| model | batch | raw step | raw, synced each step | trainer | trainer / raw | trainer / raw synced |",
-             "|---|---|---|---|---|---|---|"]
+             "| model | path | batch | raw step | raw, synced each step | trainer | trainer / raw | "
+             "trainer / raw synced |", "|---|---|---|---|---|---|---|---|"]
     f = lambda r, k, fmt: format(r[k], fmt) if isinstance(r.get(k), float) else (r.get("error", "")[:60] or "-")
-    for r in res.get("throughput", []):
-        lines.append(f"| {r['model']} | {r['batch']} | {f(r, 'raw_samples_s', '.0f')} | "
+    for r in res.get("throughput", []) + res.get("fast", []):
+        lines.append(f"| {r['model']} | {r['path']} | {r['batch']} | {f(r, 'raw_samples_s', '.0f')} | "
                      f"{f(r, 'raw_synced_samples_s', '.0f')} | {f(r, 'trainer_samples_s', '.0f')} | "
                      f"{f(r, 'trainer_over_raw', '.3f')} | {f(r, 'trainer_over_raw_synced', '.3f')} |")
     if p := res.get("pair"):
@@ -201,7 +214,8 @@ def markdown(res: dict) -> str:
             if "epoch_s" not in r:
                 lines.append(f"| {r['scheme']} | {r.get('error', '')[:80]} | | | |")
                 continue
-            lines.append(f"| {r['scheme']} | {r['epoch_s']:.3f} | {r.get('speedup_vs_sync', float('nan')):.2f}x | "
+            speedup = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
+            lines.append(f"| {r['scheme']} | {r['epoch_s']:.3f} | {speedup} | "
                          f"{'/'.join(f'{v:.2f}' for v in r['shares'])} | {r['balance_eff']:.2f} |")
     return "\n".join(lines) + "\n"
 
@@ -211,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON file for the figures (a .md table is written next to it)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes: checks that the script runs")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="schemes of the two-rank part")
+    p.add_argument("--parts", default="throughput,pair,fast", help="which parts, in this order")
     p.add_argument("--work-dir", default="", help="run folders and logs (default runs/gpu_check/<time>)")
     p.add_argument("--budget-s", type=float, help="stop starting new parts after this many seconds")
     ns = p.parse_args(argv)
@@ -242,13 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(res, indent=1))
         out.with_suffix(".md").write_text(markdown(res))
 
-    res["throughput"] = throughput(s, work, left)
-    save()
-    res["pair"] = pair(s, work, left, tuple(ns.schemes.split(",")))
-    save()
+    parts = ns.parts.split(",")
+    if "throughput" in parts:
+        res["throughput"] = throughput(s, work, left)
+        save()
+    if "pair" in parts:
+        res["pair"] = pair(s, work, left, tuple(ns.schemes.split(",")))
+        save()
+    if "fast" in parts:
+        res["fast"] = throughput(s, work, left, fast=True)
+        save()
     print(markdown(res), end="")
-    failed = [r for r in res["throughput"] + res["pair"]["rows"] if "error" in r]
-    return 1 if failed else 0
+    rows = res.get("throughput", []) + res.get("pair", {}).get("rows", [])
+    fast = [r for r in res.get("fast", []) if not r.get("error", "").startswith("skipped")]  # best effort
+    return 1 if any("error" in r for r in rows + fast) else 0
 
 
 if __name__ == "__main__":

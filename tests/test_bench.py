@@ -36,7 +36,7 @@ def test_bench_quickest(tmp_path):
     assert r["predicted_speedup"] > 1.1  # a 3x slower rank: balancing must be predicted to pay
 
     ov = res["overhead"]
-    assert 0.25 < ov["ratio"] < 4 and len(ov["samples"]["trainer"]) == len(ov["samples"]["plain"]) == 1
+    assert 0.25 < ov["ratio"] < 4 and len(ov["pair_ratios"]) == len(ov["step_s"]["plain"]) == 1
 
     dec = res["balancer"]
     assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
@@ -51,9 +51,11 @@ def test_gpu_check_smoke(tmp_path):
           "--work-dir", str(tmp_path / "work")], timeout=180)
     res = json.loads(out.read_text())
     assert out.with_suffix(".md").read_text().startswith("# GPU check")
-    (tp,) = res["throughput"]
-    assert "error" not in tp and tp["model"] == "tiny"
-    assert all(tp[k] > 0 for k in ("raw_samples_s", "raw_synced_samples_s", "trainer_samples_s", "trainer_over_raw"))
+    for part in ("throughput", "fast"):  # float32, then bf16 autocast + channels-last
+        (tp,) = res[part]
+        assert "error" not in tp and tp["model"] == "tiny"
+        assert all(tp[k] > 0 for k in ("raw_samples_s", "raw_synced_samples_s", "trainer_samples_s",
+                                        "trainer_over_raw"))
     (edp,) = res["pair"]["rows"]
     assert "error" not in edp and edp["scheme"] == "edp" and len(edp["shares"]) == 2
     assert edp["shares"][1] < edp["shares"][0]  # rank 1 is the slowed one

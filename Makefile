@@ -81,9 +81,10 @@ grid: $(STAMP)  ## a grid of runs from PARAMS=notebooks/params/NAME.yaml into ru
 report: $(STAMP)  ## the HTML report (no code) and figures of runs/GRID, or of RUNS='runs/a runs/b'
 	$(call report_recipe,runs/$(GRID),$(REPORT_DIR))
 
-lab: $(STAMP)  ## JupyterLab on notebooks/ with this checkout's kernel "Python (hetero)"
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)  # e.g. --no-browser --ip=0.0.0.0 --port=8888
+lab: $(STAMP)  ## JupyterLab on notebooks/ with this checkout's kernel "Python (hetero)" (LAB_ARGS=...)
 	$(BIN)/python -m ipykernel install --user --name hetero --display-name "Python (hetero)" >/dev/null
-	PYTHONPATH=$(CURDIR) $(BIN)/jupyter lab --notebook-dir=$(CURDIR) notebooks/
+	PYTHONPATH=$(CURDIR) $(BIN)/jupyter lab --notebook-dir=$(CURDIR) $(LAB_ARGS) notebooks/
 
 demo: $(STAMP)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slower) and its report, ~3 min on 2 CPUs
 	$(call grid_recipe,demo,notebooks/params/demo.yaml)

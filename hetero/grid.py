@@ -30,6 +30,7 @@ from .config import Config, ConfigError
 
 GRID_KEYS = ("grid", "nproc", "runs_root", "run_timeout_s")  # grid-level parameters; the rest are Config fields
 CONFIG_KEYS = tuple(f.name for f in fields(Config))
+_TYPES = {f.name: {"int": int, "float": float, "str": str, "bool": bool}.get(str(f.type)) for f in fields(Config)}
 PARAMETERS = GRID_KEYS + CONFIG_KEYS
 _MANAGED = ("run_dir", "resume", "overwrite")  # the grid decides these per run
 _IGNORED_IN_COMPARISON = set(_MANAGED) | {"data_dir"}
@@ -64,6 +65,16 @@ def slug(spec: str) -> str:
         return "none"
     text = spec.replace(":", "-").replace("=", "").replace(",", "+").replace("/", "_").replace("@", "_at")
     return re.sub(r"[^A-Za-z0-9.+_-]", "_", text)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """YAML's reading of a value into the field's type: `threads: 4` is the string "4", `lr: 1` the float 1.0."""
+    kind = _TYPES.get(name)
+    if kind is str and not isinstance(value, str):
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 def _as_list(value: Any) -> list:
@@ -112,8 +123,8 @@ def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_
             seen[name] = spec
             run_dir = root / name
             try:
-                cfg = Config(**fixed, **swept, model=model, scheme=scheme, hetero=str(spec), seed=seed,
-                             run_dir=str(run_dir))
+                values = {**fixed, **swept, "model": model, "scheme": scheme, "hetero": spec, "seed": seed}
+                cfg = Config(**{k: _coerce(k, v) for k, v in values.items()}, run_dir=str(run_dir))
                 cfg.check_world(nproc)
             except (ConfigError, TypeError) as e:
                 problems.append(f"{name}: {e}")

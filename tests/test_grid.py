@@ -44,6 +44,11 @@ def test_every_bad_run_is_reported_before_anything_starts(tmp_path):
             hg.plan(**{"grid": "g", "runs_root": tmp_path, "model": "tiny", **bad})
 
 
+def test_yaml_numbers_reach_string_and_float_fields(tmp_path):
+    cfg = hg.plan(grid="g", runs_root=tmp_path, threads=1, lr=1, **TINY).runs[0].config
+    assert cfg.threads == "1" and cfg.lr == 1.0 and isinstance(cfg.lr, float)
+
+
 def test_train_args_give_back_the_config(tmp_path):
     cfg = Config(**TINY, scheme="dp", hetero="1:slowdown=3", augment=False, lr=0.05, run_dir=str(tmp_path / "r"))
     assert parse_args(hg.train_args(cfg))[0] == cfg

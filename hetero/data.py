@@ -121,7 +121,7 @@ def _synthetic(n_train: int, n_test: int, n_classes: int = 10) -> tuple:
 
     def draw(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         y = torch.randint(0, n_classes, (n,), generator=g)
-        x = 64 + 128 * protos[y] + 48 * torch.randn(n, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
+        x = 64 + 128 * protos[y] + 120 * torch.randn(n, 3, IMAGE_SIZE, IMAGE_SIZE, generator=g)
         return x.clamp(0, 255).to(torch.uint8), y
 
     (tx, ty), (vx, vy) = draw(n_train), draw(n_test)

@@ -1,7 +1,7 @@
 """The benchmark suite (GitHub issue 5), measured side by side in one run:
 
-    make bench                       # = python -m hetero.bench: about 8 minutes on 2 cores
-    python -m hetero.bench --quick   # fewer and shorter runs (2 ranks only, one overhead pair)
+    make bench                       # = python -m hetero.bench: 7-11 minutes on 2 shared cores
+    python -m hetero.bench --quick   # 2 ranks only, sync/dp/edp, shorter runs, one overhead launch (~3 min)
 
 1. balance: 2 and 4 CPU ranks (gloo, one thread each, tiny model, synthetic data), the last rank 2x and 4x
    slower (--hetero R:slowdown=F: it sleeps (F-1)x its own measured compute in every step), every scheme.
@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -90,6 +91,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _launch(cmd: list[str], log, timeout_s: float) -> int:
+    """Run cmd in its own process group, output into the open file `log`; on timeout kill the whole group
+    (torchrun's workers too, not only torchrun) and raise subprocess.TimeoutExpired."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return p.wait(timeout=timeout_s)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
+
+
 def torchrun(nproc: int, module: str, args: list[str], log: Path, done: Path, notes: list[str],
              timeout_s: float = 900) -> None:
     """`torchrun --standalone --nproc-per-node=N -m MODULE ARGS`, its output into `log`. A launch that fails
@@ -100,7 +113,7 @@ def torchrun(nproc: int, module: str, args: list[str], log: Path, done: Path, no
     with open(log, "w") as fh:
         fh.write(" ".join(cmd) + "\n")
         fh.flush()
-        rc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        rc = _launch(cmd, fh, timeout_s)
     if rc and done.exists() and json.loads(done.read_text()).get("status", "completed") == "completed":
         notes.append(f"{log.stem}: exited {rc} after finishing its work (kept; see {log})")
     elif rc:
@@ -112,7 +125,7 @@ def affinity(world: int, pin: bool) -> str:
     """The trainer's --affinity for `world` one-thread ranks on this host: "" (unpinned) when every rank has a
     core of its own; otherwise contiguous blocks (4 ranks on 2 cores: 0,0,1,1), so that each core is shared by
     the same ranks throughout. Unpinned, the scheduler migrates the ranks and every step ends at a different
-    rank's mercy: 4 ranks on 2 cores measured 1.24-1.29x the ideal unpinned against 1.05-1.11x pinned."""
+    rank's mercy: 4 ranks on 2 cores (dp, 2x) measured 1.24-1.29x the ideal unpinned, 1.05-1.08x pinned."""
     cores = sorted(os.sched_getaffinity(0))
     if not pin or world <= len(cores):
         return ""

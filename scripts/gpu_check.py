@@ -22,6 +22,7 @@ import csv
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -107,6 +108,18 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _launch(cmd: list[str], log, timeout_s: float) -> int:
+    """Run cmd in its own process group, output into the open file `log`; on timeout kill the whole group
+    (torchrun's workers too, not only torchrun) and raise subprocess.TimeoutExpired."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return p.wait(timeout=timeout_s)
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
+
+
 def trainer(nproc: int, args: list[str], log: Path, timeout_s: float) -> None:
     """The trainer: `python -m hetero.train` (nproc 1, a world of one) or under torchrun; raises on failure."""
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
@@ -115,8 +128,7 @@ def trainer(nproc: int, args: list[str], log: Path, timeout_s: float) -> None:
     with open(log, "w") as fh:
         fh.write(" ".join(cmd) + "\n")
         fh.flush()
-        rc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=fh, stderr=subprocess.STDOUT,
-                            timeout=max(timeout_s, 1)).returncode
+        rc = _launch(cmd, fh, max(timeout_s, 1))
     if rc:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-12:])
         raise RuntimeError(f"exit {rc}; log {log}:\n{tail}")

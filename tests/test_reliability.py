@@ -174,9 +174,9 @@ def test_replay_is_bit_identical_and_resume_equals_uninterrupted(tmp_path):
 
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     run = tmp_path / "run"
-    args = [*TINY, "--subset", "1024", "--epochs", "3", "--hetero", "1:delay=0.1", "--timeout-s", "20",
+    args = [*TINY, "--subset", "1024", "--epochs", "3", "--hetero", "1:delay=0.1", "--timeout-s", "60",
             "--run-dir", str(run)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
            "-m", "hetero.train", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)

@@ -35,6 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SCHEMES = ("sync", "dp", "edp", "affine")
+EXTRA_PATH: list[str] = []  # a stand-in tqdm, when the GPU machine's python lacks it (see preflight)
+TQDM_STAND_IN = """class tqdm:  # written by scripts/gpu_check.py: tqdm is missing here; the trainer only draws a bar
+    def __init__(self, *args, **kwargs): pass
+    def update(self, n=1): pass
+    def close(self): pass
+"""
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def raw_samples_s(name: str, s: Sizes, sync_each: bool, fast: bool = False) -> f
 def _env() -> dict[str, str]:
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([*EXTRA_PATH, str(ROOT), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -132,6 +138,19 @@ def trainer(nproc: int, args: list[str], log: Path, timeout_s: float) -> None:
     if rc:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-12:])
         raise RuntimeError(f"exit {rc}; log {log}:\n{tail}")
+
+
+def preflight(work: Path) -> list[str]:
+    """The trainer's third-party modules missing here. numpy and torchvision are needed; tqdm only draws the
+    progress bar, so a no-op stand-in goes on the trainer's path (no internet on the GPU machine to install it)."""
+    import importlib.util
+
+    missing = [m for m in ("numpy", "torchvision", "tqdm") if importlib.util.find_spec(m) is None]
+    if "tqdm" in missing:
+        (work / "stand-ins").mkdir(parents=True, exist_ok=True)
+        (work / "stand-ins" / "tqdm.py").write_text(TQDM_STAND_IN)
+        EXTRA_PATH.append(str(work / "stand-ins"))
+    return missing
 
 
 def _rows(path: Path) -> list[dict]:
@@ -237,21 +256,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON file for the figures (a .md table is written next to it)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes: checks that the script runs")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="schemes of the two-rank part")
-    p.add_argument("--parts", default="throughput,pair,fast", help="which parts, in this order")
+    p.add_argument("--parts", default="throughput,pair,fast", help="any of throughput,pair,fast (run in that order)")
     p.add_argument("--work-dir", default="", help="run folders and logs (default runs/gpu_check/<time>)")
     p.add_argument("--budget-s", type=float, help="stop starting new parts after this many seconds")
+    p.add_argument("--pair-model", help="model of the two-rank part (default vgg16)")
+    p.add_argument("--pair-hetero", help="--hetero of the two-rank part (default 1:slowdown=3)")
     ns = p.parse_args(argv)
     import torch
 
     s = SMOKE if ns.smoke else GPU
-    if ns.budget_s:
-        s = Sizes(**{**asdict(s), "budget_s": ns.budget_s})
+    over = {k: getattr(ns, k) for k in ("budget_s", "pair_model", "pair_hetero") if getattr(ns, k)}
+    s = Sizes(**{**asdict(s), **over})
     if s.device == "cuda" and not torch.cuda.is_available():
         p.error("torch sees no GPU: run on the GPU machine, or pass --smoke for a CPU check")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     work = Path(ns.work_dir or ROOT / "runs" / "gpu_check" / stamp)
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    missing = preflight(work)
+    if set(missing) - {"tqdm"}:
+        p.error(f"this python lacks {', '.join(missing)}, which the trainer needs")
     t0 = time.perf_counter()
     left = lambda: s.budget_s - (time.perf_counter() - t0)
     try:
@@ -262,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                           "device_name": torch.cuda.get_device_name() if s.device == "cuda" else platform.processor()
                           or "cpu", "torch": torch.__version__, "python": platform.python_version(),
                           "git_commit": commit or "unknown", "smoke": ns.smoke, "sizes": asdict(s),
+                          "stand_ins": missing,
                           "command": "python3 scripts/gpu_check.py " + " ".join(sys.argv[1:] if argv is None else argv)}}
 
     def save() -> None:

@@ -12,6 +12,7 @@ from each rank's own compute time, measured up to the moment its gradients are r
 """
 from __future__ import annotations
 
+import gc
 import math
 import os
 import platform
@@ -395,8 +396,15 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return 1
     finally:
+        del trainer  # DDP's reducer and hook futures go before the process group they use
+        gc.collect()
         teardown(ok)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter finalisation: a communication thread still being torn down there can abort the process
+    # ("terminate called without an active exception") after all work is done and the group destroyed.
+    os._exit(code)

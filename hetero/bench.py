@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -45,10 +44,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .launch import ROOT, clean_env, run_logged, torchrun_cmd
 from .partition import SCHEMES, Balancer, affine_batch_sizes, batch_sizes, predicted_step_s
 
-ROOT = Path(__file__).resolve().parents[1]
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 class BenchError(RuntimeError):
@@ -84,36 +82,18 @@ QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), epochs=4, repeats=1, ov
 
 
 # -- launching ------------------------------------------------------------------------------------------------
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _launch(cmd: list[str], log, timeout_s: float) -> int:
-    """Run cmd in its own process group, output into the open file `log`; on timeout kill the whole group
-    (torchrun's workers too, not only torchrun) and raise subprocess.TimeoutExpired."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        return p.wait(timeout=timeout_s)
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        raise
-
-
 def torchrun(nproc: int, module: str, args: list[str], log: Path, done: Path, notes: list[str],
              timeout_s: float = 900) -> None:
     """`torchrun --standalone --nproc-per-node=N -m MODULE ARGS`, its output into `log`. A launch that fails
     after writing `done` (a rank dying at exit) is kept, with a line in `notes`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", module, *args]
+    cmd = torchrun_cmd(nproc, args, module)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         fh.write(" ".join(cmd) + "\n")
         fh.flush()
-        rc = _launch(cmd, fh, timeout_s)
+        rc = run_logged(cmd, fh, timeout_s, clean_env(threads="1"))
+    if rc is None:
+        raise BenchError(f"{' '.join(cmd[2:])} ran past {timeout_s:g} s and was stopped (log {log})")
     if rc and done.exists() and json.loads(done.read_text()).get("status", "completed") == "completed":
         notes.append(f"{log.stem}: exited {rc} after finishing its work (kept; see {log})")
     elif rc:

@@ -16,8 +16,6 @@ import itertools
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -27,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from .config import Config, ConfigError
+from .launch import run_logged, torchrun_cmd
 
 GRID_KEYS = ("grid", "nproc", "runs_root", "run_timeout_s")  # grid-level parameters; the rest are Config fields
 CONFIG_KEYS = tuple(f.name for f in fields(Config))
@@ -180,44 +179,13 @@ def command(run: Run, nproc: int) -> list[str]:
         args = ["--resume", str(run.run_dir)]
     else:
         args = train_args(run.config) + (["--overwrite"] if st != "new" else [])
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "hetero.train", *args]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    package_root = str(Path(__file__).resolve().parents[1])  # the workers import this very checkout
-    env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+    return torchrun_cmd(nproc, args)
 
 
 def launch(cmd: list[str], log: Path, timeout_s: float) -> int | None:
     """Run cmd with its output in log; its exit status, or None when it ran past timeout_s and was stopped."""
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            return None
-        except BaseException:  # an interrupted notebook stops its run too
-            _stop(proc)
-            raise
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launch's own process group (torchrun and its workers), SIGKILL after a grace period."""
-    for sig, grace_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 15)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+        return run_logged(cmd, fh, timeout_s)
 
 
 def _error(run_dir: Path, log: Path, returncode: int | None, timeout_s: float) -> str:

@@ -13,7 +13,6 @@ from each rank's own compute time, measured up to the moment its gradients are r
 from __future__ import annotations
 
 import gc
-import math
 import os
 import platform
 import signal

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -106,35 +104,18 @@ def raw_samples_s(name: str, s: Sizes, sync_each: bool, fast: bool = False) -> f
     return rate
 
 
-def _env() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PYTHONPATH"] = os.pathsep.join([*EXTRA_PATH, str(ROOT), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def _launch(cmd: list[str], log, timeout_s: float) -> int:
-    """Run cmd in its own process group, output into the open file `log`; on timeout kill the whole group
-    (torchrun's workers too, not only torchrun) and raise subprocess.TimeoutExpired."""
-    p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        return p.wait(timeout=timeout_s)
-    except BaseException:
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-        raise
-
-
 def trainer(nproc: int, args: list[str], log: Path, timeout_s: float) -> None:
     """The trainer: `python -m hetero.train` (nproc 1, a world of one) or under torchrun; raises on failure."""
-    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
-    cmd = [sys.executable, *launch, "-m", "hetero.train", *args]
+    from hetero.launch import clean_env, run_logged, torchrun_cmd
+
+    cmd = torchrun_cmd(nproc, args)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         fh.write(" ".join(cmd) + "\n")
         fh.flush()
-        rc = _launch(cmd, fh, max(timeout_s, 1))
+        rc = run_logged(cmd, fh, max(timeout_s, 1), clean_env(EXTRA_PATH, threads="1"))
+    if rc is None:
+        raise RuntimeError(f"ran past {max(timeout_s, 1):g} s and was stopped; log {log}")
     if rc:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-12:])
         raise RuntimeError(f"exit {rc}; log {log}:\n{tail}")

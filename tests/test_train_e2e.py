@@ -1,10 +1,8 @@
 """End to end through torchrun: the paper's DP rule moves work off a 3x slower rank, the run folder is complete,
 compute time excludes waiting, and the distributed evaluation is exact."""
-import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hetero.data import DeviceLoader, load_data
 from hetero.models import build_model

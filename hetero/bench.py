@@ -45,7 +45,8 @@ from pathlib import Path
 import numpy as np
 
 from .launch import ROOT, clean_env, run_logged, torchrun_cmd
-from .partition import SCHEMES, Balancer, affine_batch_sizes, batch_sizes, predicted_step_s
+from .balancer import Balancer
+from .partition import SCHEMES, affine_batch_sizes, batch_sizes, predicted_step_s
 
 
 

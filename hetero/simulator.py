@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from .partition import SCHEMES, Balancer, affine_batch_sizes, step_times
+from .balancer import Balancer
+from .partition import SCHEMES, affine_batch_sizes, step_times
 
 # Step costs (fixed s per step, s per sample) of CIFAR models: on one H200 (PAPER.md), and on the paper's GPUs as
 # its logs imply (Sync-SGD time per step at 128 samples less the delay, and the delay over the settled DP shares'

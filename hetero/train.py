@@ -7,7 +7,7 @@
     python -m hetero.train ...                                  # a world of one, no torchrun needed
 
 Each step every rank takes its slice of the shared permutation (sampler.py), computes its gradient, and the
-DDP communication hook sums weight_i * g_i (dist.py). The balancer (partition.py) re-decides the batch sizes
+DDP communication hook sums weight_i * g_i (dist.py). The balancer (balancer.py, partition.py) re-decides the batch sizes
 from each rank's own compute time, measured up to the moment its gradients are ready, before any waiting.
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ from .dist import (HookState, StepClock, World, apply_cpu_budget, average_buffer
                    sum_all, teardown, weighted_allreduce_hook, wrap_ddp)
 from .emulator import Emulator
 from .models import build_model
-from .partition import SCHEMES, Balancer
+from .balancer import Balancer
+from .partition import SCHEMES
 from .runlog import RunFolder, check_run_dir
 from .sampler import EpochPlan
 from .seeding import AUGMENT, epoch_seed

@@ -5,8 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from hetero.partition import (Balancer, affine_batch_sizes, batch_sizes, fit_affine, predicted_step_s,
-                              step_times)
+from hetero.balancer import Balancer
+from hetero.partition import affine_batch_sizes, batch_sizes, fit_affine, predicted_step_s, step_times
 
 
 def brute_force(a, c, B, lo, hi, sit_out):

@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from hetero.partition import Balancer, batch_sizes, check_feasible, proportional_shares
+from hetero.balancer import Balancer
+from hetero.partition import batch_sizes, check_feasible, proportional_shares
 
 
 def test_batch_sizes_random_properties():

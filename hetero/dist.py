@@ -83,7 +83,12 @@ def setup(devices: list[str], backend: str, timeout_s: float) -> World:
     dev = pick_device(devices[rank], local_rank)
     if backend == "auto":
         backend = "nccl" if all(resolve_device(d).startswith("cuda") for d in devices) else "gloo"
-    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+    timeout = timedelta(seconds=timeout_s)
+    # torchrun keeps its store across restarts: keys of the previous attempt (a dead rank's address) would be read
+    # by the new one and its connections refused. Each attempt gets a key space of its own.
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store = dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=dev if backend == "nccl" else None)
     return World(rank, world, local_rank, dev, backend)
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from hetero.launch import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
 
@@ -19,11 +21,7 @@ TINY = ["--model", "tiny", "--data", "synthetic", "--subset", "2048", "--test-su
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: float = 300, torchrun_args: list[str] | None = None,

@@ -152,12 +152,16 @@ class Trainer:
             return self.replay[epoch][step]
         return self.balancer.sizes_for_step(step)
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether batch sizes are re-decided during the run (not for sync, not when replaying a record)."""
+        return self.replay is None and self.balancer.rule != "static"
+
     def rebalance(self, sizes: np.ndarray, compute_s: np.ndarray) -> None:
         """Collective: every rank gathers all ranks' step compute times and runs the same pure decision."""
         times = gather_rows(torch.from_numpy(compute_s), self.world.coll_device).numpy().T  # [steps, world]
-        if self.replay is None:
-            self.balancer.observe(sizes, times)
-            self.balancer.decide()
+        self.balancer.observe(sizes, times)
+        self.balancer.decide()
 
     def train_epoch(self, epoch: int, bar) -> dict:
         cfg, w, rank = self.cfg, self.world, self.world.rank
@@ -167,20 +171,21 @@ class Trainer:
         steps = plan.steps
         sizes = np.zeros((steps, w.world), np.int64)
         compute, wait, delay = np.zeros(steps), np.zeros(steps), np.zeros(steps)
-        sums = torch.zeros(3, dtype=torch.float64, device=w.device)  # loss sum, correct, count
+        # Metric sums and the first non-finite step stay on the device: no host sync inside the step.
+        sums = torch.zeros(2, dtype=torch.float64, device=w.device)  # loss sum, correct
         first_bad = torch.tensor(-1, device=w.device)
-        clocks: list[StepClock] = []
+        clocks: list[tuple[int, StepClock]] = []
 
-        def read_clocks(upto: int) -> None:  # CUDA events are read late, so the host never waits on them per step
-            for s in range(upto - len(clocks), upto):
-                compute[s], wait[s] = clocks[s - upto + len(clocks)].read()
+        def read_clocks() -> None:  # CUDA events are read late, so the host never waits on them per step
+            for s, c in clocks:
+                compute[s], wait[s] = c.read()
             clocks.clear()
 
         last_decision = 0
         t0 = time.perf_counter()
         for step in range(steps):
-            if cfg.rebalance_every and step and step % cfg.rebalance_every == 0:
-                read_clocks(step)
+            if self.dynamic and cfg.rebalance_every and step and step % cfg.rebalance_every == 0:
+                read_clocks()
                 self.rebalance(sizes[last_decision:step], compute[last_decision:step])
                 last_decision = step
             sizes[step] = self.sizes_for(epoch, step)
@@ -202,27 +207,27 @@ class Trainer:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
             with torch.no_grad():
-                sums += torch.stack([loss.detach().double() * b, (out.argmax(1) == y).sum().double() * (b > 0),
-                                     torch.tensor(b, dtype=torch.float64, device=w.device)])
+                sums += torch.stack([loss.detach().double() * b, (out.argmax(1) == y).sum().double() * (b > 0)])
                 first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
-                                        torch.tensor(step, device=w.device), first_bad)
+                                        torch.full_like(first_bad, step), first_bad)
             clock.mark("end")
-            clocks.append(clock)
+            clocks.append((step, clock))
             self.global_step += 1
             if bar is not None:
                 bar.update(1)
-        read_clocks(steps)
+        read_clocks()
         bad = gather_rows(first_bad.reshape(1), w.coll_device).flatten()
         if (bad >= 0).any():
             step = int(bad[bad >= 0].min())
             kept = f"epochs 1..{epoch - 1} and their checkpoint are kept" if epoch > 1 else "no epoch had completed"
             raise TrainingError(f"non-finite loss at epoch {epoch} step {step}: stopping (lower --lr?); {kept}")
         per_rank = gather_rows(torch.from_numpy(np.stack([compute, wait, delay])), w.coll_device).numpy()
-        if self.replay is None and self.balancer.rule != "static":
+        if self.dynamic:
             self.balancer.observe(sizes[last_decision:], per_rank[:, 0, last_decision:].T)
             self.balancer.decide()
         train_s = time.perf_counter() - t0
-        totals = sum_all(sums, w.coll_device)
+        count = torch.tensor([float(sizes[:, rank].sum())], dtype=torch.float64, device=w.device)
+        totals = sum_all(torch.cat([sums, count]), w.coll_device)
         return {"sizes": sizes, "per_rank": per_rank, "train_s": train_s,
                 "train_loss": float(totals[0] / totals[2]), "train_top1": float(totals[1] / totals[2])}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hetero.launch import clean_env
+from hetero.launch import clean_env, torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
@@ -24,14 +24,9 @@ def _env() -> dict[str, str]:
     return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: float = 300, torchrun_args: list[str] | None = None,
-              check: bool = True) -> subprocess.CompletedProcess:
+def run_train(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m hetero.train ARGS` (nproc=0) or `torchrun --standalone --nproc-per-node=N -m hetero.train ARGS`."""
-    if nproc == 0:
-        cmd = [sys.executable, "-m", "hetero.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", *(torchrun_args or ["--standalone"]),
-               f"--nproc-per-node={nproc}", "-m", "hetero.train", *args]
+    cmd = [sys.executable, "-m", "hetero.train", *args] if nproc == 0 else torchrun_cmd(nproc, args)
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n"

@@ -12,6 +12,7 @@ import psutil
 import pytest
 import torch
 
+from hetero.launch import torchrun_cmd
 from hetero.runlog import RunFolder
 
 from conftest import ROOT, TINY, _env, read_run, run_train
@@ -96,9 +97,7 @@ def test_checkpoint_write_is_atomic(tmp_path):
 
 
 def _launch(args, nproc):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hetero.train", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return subprocess.Popen(torchrun_cmd(nproc, args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 

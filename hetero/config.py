@@ -23,7 +23,7 @@ class Config:
     global_batch: int = 256           # samples per step over all ranks (B)
     min_batch: int = 1                # smallest per-rank batch any scheme may assign
     sit_out: bool = False             # affine: a rank whose fixed cost alone exceeds the balanced step sits out
-    max_batch: str = "0"              # largest batch per rank (0: no limit); one value or one per global rank "256,64"
+    max_batch: str = "0"              # largest batch per rank (0: no limit; probe: find it on a GPU); or per rank "256,64"
     lr: float = 0.1                   # SGD, Nesterov momentum, cosine schedule over the epochs
     momentum: float = 0.9
     weight_decay: float = 5e-4
@@ -63,11 +63,13 @@ class Config:
         for d in self.device.split(","):
             if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", d.strip()):
                 raise ConfigError(f"unknown device {d!r} in --device {self.device!r}: use auto, cpu, cuda or cuda:K")
-        for name in ("threads", "max_batch"):
-            for v in getattr(self, name).split(","):
-                if not v.strip().isdigit():
-                    raise ConfigError(f"--{_flag(name)} {getattr(self, name)!r}: expected whole numbers >= 0, "
-                                      f"one or one per rank")
+        for v in self.threads.split(","):
+            if not v.strip().isdigit():
+                raise ConfigError(f"--threads {self.threads!r}: expected whole numbers >= 0, one or one per rank")
+        for v in self.max_batch.split(","):
+            if not (v.strip().isdigit() or v.strip() == "probe"):
+                raise ConfigError(f"--max-batch {self.max_batch!r}: expected whole numbers >= 0 or probe, one or one "
+                                  f"per rank")
         if self.affinity:
             for part in filter(None, self.affinity.split(",")):  # an empty entry leaves that rank unpinned
                 try:
@@ -101,7 +103,7 @@ class Config:
             parse_hetero(self.hetero)
         except ValueError as e:
             raise ConfigError(f"bad --hetero {self.hetero!r}: {e}") from None
-        if any(0 < int(m) < self.min_batch for m in self.max_batch.split(",")):
+        if any(m.strip().isdigit() and 0 < int(m) < self.min_batch for m in self.max_batch.split(",")):
             raise ConfigError(f"--max-batch {self.max_batch} is below --min-batch {self.min_batch}")
 
     def check_world(self, world: int) -> None:
@@ -131,10 +133,18 @@ class Config:
         values = getattr(self, name).split(",")
         return values[rank if len(values) == world else 0].strip()
 
-    def max_batches(self, world: int) -> list[float] | None:
-        """Per-rank maximum batch sizes for the partitioner (None: no limit anywhere)."""
-        m = [int(self.for_rank("max_batch", r, world)) or float("inf") for r in range(world)]
+    def max_batches(self, world: int, probed: list[float] | None = None) -> list[float] | None:
+        """Per-rank maximum batch sizes for the partitioner (None: no limit anywhere). A rank set to `probe` has
+        no limit until probed: `probed` holds every rank's probe result (memory.probe_max_batch)."""
+        m = []
+        for r in range(world):
+            v = self.for_rank("max_batch", r, world)
+            m.append((probed[r] if probed is not None else float("inf")) if v == "probe" else int(v) or float("inf"))
         return None if all(v == float("inf") for v in m) else m
+
+    def probes(self, rank: int, world: int) -> bool:
+        """Whether this rank's maximum batch is to be probed."""
+        return self.for_rank("max_batch", rank, world) == "probe"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

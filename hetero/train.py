@@ -36,7 +36,8 @@ from .dist import (HookState, StepClock, World, apply_cpu_budget, average_buffer
 from .emulator import Emulator
 from .models import build_model
 from .balancer import Balancer
-from .partition import SCHEMES
+from .memory import probe_max_batch
+from .partition import SCHEMES, check_feasible
 from .runlog import RunFolder, check_run_dir
 from .sampler import EpochPlan
 from .seeding import AUGMENT, epoch_seed
@@ -112,6 +113,9 @@ class Trainer:
         model = build_model(cfg.model, len(data.classes)).to(dev, memory_format=self.memory_format)
         self.model = model
         self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+        self.max_batches = cfg.max_batches(world.world)
+        if any(cfg.probes(r, world.world) for r in range(world.world)):
+            self.max_batches = self._probe_limits(data)  # before DDP: the bare model, no collectives
         self.ddp = wrap_ddp(model, dev)
         self.hook = HookState(weight=1.0 / world.world)
         self.ddp.register_comm_hook(self.hook, weighted_allreduce_hook)
@@ -119,7 +123,7 @@ class Trainer:
                                    weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
         self.balancer = Balancer(self.scheme.rule, world.world, cfg.global_batch, cfg.min_batch,
-                                 cfg.max_batches(world.world), cfg.smoothing, cfg.deadband, sit_out=cfg.sit_out)
+                                 self.max_batches, cfg.smoothing, cfg.deadband, sit_out=cfg.sit_out)
         self.emulator = Emulator(cfg.hetero, world.rank, cfg.seed)
         self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment)
         lo, hi = (len(data.test_y) * world.rank) // world.world, (len(data.test_y) * (world.rank + 1)) // world.world
@@ -127,6 +131,33 @@ class Trainer:
         self.folder = RunFolder(run_dir) if world.is_main else None
         self.epoch, self.train_time_s, self.global_step = 0, 0.0, 0
         self.history: list[dict] = []
+
+    def _probe_limits(self, data: DataSet) -> list[float] | None:
+        """Collective: GPU ranks set to `probe` find their largest batch (memory.py), all ranks gather the results
+        (a failed probe as -1, so every rank stops with the same error instead of waiting on the failed one)."""
+        cfg, w = self.cfg, self.world
+        own, err = float("inf"), ""
+        if cfg.probes(w.rank, w.world):
+            try:
+                own = probe_max_batch(self.model, tuple(data.train_x.shape[1:]), len(data.classes), w.device,
+                                      lo=cfg.min_batch, hi=cfg.global_batch, autocast=self.autocast,
+                                      memory_format=self.memory_format)
+            except RuntimeError as e:
+                own, err = -1.0, str(e)
+        probed = gather_rows(torch.tensor([own]), w.coll_device).flatten().tolist()
+        if err:
+            raise TrainingError(err)
+        if failed := [r for r, v in enumerate(probed) if v < 0]:
+            raise TrainingError(f"--max-batch probe failed on rank {failed[0]} (its log has the reason)")
+        limits = cfg.max_batches(w.world, probed)
+        try:
+            check_feasible(w.world, cfg.global_batch, cfg.min_batch, limits)
+        except ValueError:
+            shown = ",".join("-" if v == float("inf") else str(int(v)) for v in limits)
+            raise TrainingError(f"the largest batches per rank ({shown}; probed with --max-batch {cfg.max_batch}) "
+                                f"hold less than the global batch {cfg.global_batch}: lower --global-batch or add "
+                                f"ranks") from None
+        return limits
 
     # -- checkpoint -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -381,7 +412,13 @@ def main(argv: list[str] | None = None) -> int:
             dist.broadcast_object_list(state, src=0)
             trainer.load_state_dict(state[0])
         meta = run_metadata(cfg, world, run_dir)
+        limits = trainer.max_batches
+        meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
         if world.is_main:
+            if "probe" in cfg.max_batch:
+                print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): "
+                      f"{','.join('-' if v is None else str(v) for v in meta['max_batches'] or [None] * world.world)}"
+                      f" ('-': no limit; CPU ranks are not probed)", flush=True)
             trainer.folder.start(meta, trainer.epoch if resume else None, cfg.overwrite)
             print(f"hetero: {cfg.model} {cfg.scheme} on {world.world} rank(s) ({world.backend}), run folder "
                   f"{run_dir}" + (f", resuming after epoch {trainer.epoch}" if resume else ""), flush=True)

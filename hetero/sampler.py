@@ -16,13 +16,15 @@ from .seeding import PERMUTATION, epoch_seed
 class EpochPlan:
     """The shared permutation of one epoch; identical on every rank (seeded by run seed and epoch)."""
 
-    def __init__(self, n_samples: int, global_batch: int, seed: int, epoch: int):
+    def __init__(self, n_samples: int, global_batch: int, seed: int, epoch: int, device: torch.device | str = "cpu"):
         if global_batch > n_samples:
             raise ValueError(f"global batch {global_batch} exceeds the {n_samples} training samples")
         self.global_batch = global_batch
         self.steps = n_samples // global_batch
         gen = torch.Generator().manual_seed(epoch_seed(seed, epoch, PERMUTATION))
-        self.perm = torch.randperm(n_samples, generator=gen)
+        # drawn on the CPU (the same permutation whatever the devices), then moved once per epoch: on a GPU the
+        # per-step slices are then device tensors, and no step waits for a host-to-device copy of its indices
+        self.perm = torch.randperm(n_samples, generator=gen).to(device)
 
     def indices(self, step: int, sizes, rank: int) -> torch.Tensor:
         """Sample indices of `rank` at `step`, given every rank's batch size for that step (sizes sum to B)."""

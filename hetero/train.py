@@ -196,7 +196,7 @@ class Trainer:
 
     def train_epoch(self, epoch: int, bar) -> dict:
         cfg, w, rank = self.cfg, self.world, self.world.rank
-        plan = EpochPlan(len(self.train), cfg.global_batch, cfg.seed, epoch)
+        plan = EpochPlan(len(self.train), cfg.global_batch, cfg.seed, epoch, w.device)
         self.train.seed(epoch_seed(cfg.seed, epoch, AUGMENT + rank))
         self.emulator.start_epoch(epoch)
         steps = plan.steps

@@ -1,10 +1,10 @@
 """The benchmark suite (GitHub issue 5), measured side by side in one run:
 
-    make bench                       # = python -m hetero.bench: 7-11 minutes on 2 shared cores
+    make bench                       # = python -m hetero.bench: 8-12 minutes on 2 shared cores
     python -m hetero.bench --quick   # 2 ranks only, sync/dp/edp, shorter runs, one overhead launch (~3 min)
 
-1. balance: 2 and 4 CPU ranks (gloo, one thread each, tiny model, synthetic data), the last rank 2x and 4x
-   slower (--hetero R:slowdown=F: it sleeps (F-1)x its own measured compute in every step), every scheme.
+1. balance: 2 and 4 CPU ranks (gloo, one thread each, tiny model, synthetic data, global batch 128 per rank,
+   16 steps per epoch), the last rank 2x and 4x slower (--hetero R:slowdown=F: it sleeps (F-1)x its own measured compute in every step), every scheme.
 2. overhead: no heterogeneity; the trainer's step time over that of a plain DDP loop written here (same model,
    data tensor, batch, optimiser, DDP options, gloo, torchrun).
 3. balancer: the time of one rebalancing decision (Balancer.observe + decide) for 2 to 4096 workers.
@@ -62,17 +62,26 @@ class Plan:
     schemes: tuple[str, ...] = tuple(SCHEMES)
     epochs: int = 6
     steady_from: int = 3                        # first steady-state epoch (1-based)
-    subset: int = 4096                          # synthetic training samples: subset // global_batch steps/epoch
-    global_batch: int = 256                     # long steps (~0.1 s): host noise and time slicing matter less
+    batch_per_rank: int = 128                   # global batch = this x ranks (256 for 2, 512 for 4): long steps
+                                                # (~0.1 s), so host noise and the scheduler's time slices matter less
+    steps: int = 16                             # steps per epoch (synthetic samples = steps x global batch)
     repeats: int = 2                            # overhead launches
     overhead_epochs: int = 12                   # trainer and plain epochs per launch, in turn; the first warm up
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
     parts: tuple[str, ...] = ("balance", "overhead", "balancer")
 
+    def global_batch(self, world: int) -> int:
+        return self.batch_per_rank * world
+
+    def subset(self, world: int) -> int:
+        return self.steps * self.global_batch(world)
+
     def __post_init__(self):
         if not 1 <= self.steady_from <= self.epochs or self.overhead_epochs < 2:
             raise ValueError("need 1 <= steady_from <= epochs and overhead_epochs >= 2")
+        if self.batch_per_rank < 4 or self.steps < 1:
+            raise ValueError("need batch_per_rank >= 4 and steps >= 1")
         if bad := [s for s in self.schemes if s not in SCHEMES]:
             raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
         if bad := [p for p in self.parts if p not in ("balance", "overhead", "balancer")]:
@@ -106,7 +115,8 @@ def affinity(world: int, pin: bool) -> str:
     """The trainer's --affinity for `world` one-thread ranks on this host: "" (unpinned) when every rank has a
     core of its own; otherwise contiguous blocks (4 ranks on 2 cores: 0,0,1,1), so that each core is shared by
     the same ranks throughout. Unpinned, the scheduler migrates the ranks and every step ends at a different
-    rank's mercy: 4 ranks on 2 cores (dp, 2x) measured 1.24-1.29x the ideal unpinned, 1.05-1.08x pinned."""
+    rank's mercy: 4 ranks on 2 cores (dp, 2x, global batch 256) measured 1.24-1.29x the ideal unpinned, 1.05-1.08x
+    pinned."""
     cores = sorted(os.sched_getaffinity(0))
     if not pin or world <= len(cores):
         return ""
@@ -116,8 +126,8 @@ def affinity(world: int, pin: bool) -> str:
 def train(plan: Plan, out: Path, name: str, world: int, scheme: str, hetero: str, notes: list[str]) -> Path:
     run_dir = out / "runs" / name
     torchrun(world, "hetero.train", [
-        "--model", "tiny", "--data", "synthetic", "--subset", str(plan.subset), "--test-subset", "256",
-        "--global-batch", str(plan.global_batch), "--epochs", str(plan.epochs), "--scheme", scheme,
+        "--model", "tiny", "--data", "synthetic", "--subset", str(plan.subset(world)), "--test-subset", "256",
+        "--global-batch", str(plan.global_batch(world)), "--epochs", str(plan.epochs), "--scheme", scheme,
         "--hetero", hetero, "--threads", "1", "--affinity", affinity(world, plan.pin), "--augment", "false",
         "--run-dir", str(run_dir)], out / "logs" / f"{name}.log", run_dir / "summary.json", notes)
     return run_dir
@@ -185,13 +195,13 @@ def balance(plan: Plan, out: Path, calib: tuple[float, float], notes: list[str])
                 print(f"bench: {name}", flush=True)
                 d = train(plan, out, name, world, scheme, f"{world - 1}:slowdown={slow:g}", notes)
                 epochs, ranks, steps = (pd.read_csv(d / f"{t}.csv") for t in ("epochs", "ranks", "steps"))
-                m = cost_model(steps, calib, plan.global_batch, plan.steady_from)
+                m = cost_model(steps, calib, plan.global_batch(world), plan.steady_from)
                 steady = epochs[epochs.epoch >= plan.steady_from]
                 n = int(epochs.steps.iloc[0])
                 ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])
                 epoch_s = float(steady.epoch_time_s.median())
                 found.append({"world": world, "slowdown": slow, "scheme": scheme, "affinity": affinity(world, plan.pin),
-                              "steps": n, "epoch_s": epoch_s,
+                              "global_batch": plan.global_batch(world), "steps": n, "epoch_s": epoch_s,
                               "ideal_s": ideal_s, "over_ideal": epoch_s / ideal_s, "sync_bound_s": bound_s,
                               "over_sync_bound": epoch_s / bound_s, "predicted_speedup": bound_s / ideal_s,
                               "jitter": n * m["jitter_s"] / ideal_s,
@@ -275,8 +285,8 @@ def overhead(plan: Plan, out: Path, notes: list[str]) -> dict:
         print(f"bench: {name}", flush=True)
         res = out / "runs" / f"{name}.json"
         res.parent.mkdir(parents=True, exist_ok=True)
-        torchrun(world, "hetero.bench", ["--overhead-worker", str(res), "--subset", str(plan.subset),
-                                         "--global-batch", str(plan.global_batch),
+        torchrun(world, "hetero.bench", ["--overhead-worker", str(res), "--subset", str(plan.subset(world)),
+                                         "--global-batch", str(plan.global_batch(world)),
                                          "--overhead-epochs", str(plan.overhead_epochs)],
                  out / "logs" / f"{name}.log", res, notes)
         d = json.loads(res.read_text())
@@ -285,7 +295,7 @@ def overhead(plan: Plan, out: Path, notes: list[str]) -> dict:
         step_s["trainer"] += tr.tolist()
         step_s["plain"] += pl.tolist()
     med = {k: float(np.median(v)) for k, v in step_s.items()}
-    return {"world": world, "global_batch": plan.global_batch, "ratio": float(np.median(ratios)),
+    return {"world": world, "global_batch": plan.global_batch(world), "ratio": float(np.median(ratios)),
             "ratio_of_medians": med["trainer"] / med["plain"],
             "ratio_of_minima": min(step_s["trainer"]) / min(step_s["plain"]), "trainer_step_s": med["trainer"],
             "plain_step_s": med["plain"], "extra_ms_per_step": 1e3 * (med["trainer"] - med["plain"]),
@@ -343,11 +353,11 @@ def table(res: dict) -> str:
              f"{m['load_avg_start'][0]:.1f} at start, {m['load_avg_end'][0]:.1f} at end)", "", f"`{m['command']}`", ""]
     if res.get("balance"):
         lines += ["## Balance efficiency (steady-state epoch time; ideal = steps x (T* + all-reduce))", "",
-                  "| ranks | slowdown | scheme | epoch s | ideal s | / ideal | / sync bound | speedup vs sync | "
-                  "predicted | jitter | shares |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| ranks | B | slowdown | scheme | epoch s | ideal s | / ideal | / sync bound | speedup vs sync | "
+                  "predicted | jitter | shares |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["balance"]:
             sp = "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x"
-            lines.append(f"| {r['world']} | {r['slowdown']:g}x | {r['scheme']} | {r['epoch_s']:.3f} | "
+            lines.append(f"| {r['world']} | {r['global_batch']} | {r['slowdown']:g}x | {r['scheme']} | {r['epoch_s']:.3f} | "
                          f"{r['ideal_s']:.3f} | {r['over_ideal']:.3f} | {r['over_sync_bound']:.3f} | {sp} | "
                          f"{r['predicted_speedup']:.2f}x | {r['jitter']:.3f} | {'/'.join(f'{s:.2f}' for s in r['shares'])} |")
         pinned = sorted({(r["world"], r["affinity"]) for r in res["balance"] if r["affinity"]})
@@ -393,7 +403,7 @@ def run(plan: Plan, out: Path, command: str) -> dict:
                           "command": command, "plan": asdict(plan)}, "notes": []}
     t0 = time.perf_counter()
     if "balance" in plan.parts:
-        calib = calibrate(plan.global_batch)
+        calib = calibrate(plan.global_batch(max(plan.worlds)))
         res["calibration"] = {"fixed_s": calib[0], "per_sample_s": calib[1]}
         res["balance"] = balance(plan, out, calib, res["notes"])
     if "overhead" in plan.parts:
@@ -419,8 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", type=lambda s: tuple(s.split(",")), help="balance,overhead,balancer")
     p.add_argument("--epochs", type=int)
     p.add_argument("--steady-from", type=int)
-    p.add_argument("--subset", type=int)
-    p.add_argument("--global-batch", type=int)
+    p.add_argument("--batch-per-rank", type=int, help="global batch = this x ranks")
+    p.add_argument("--steps", type=int, help="steps per epoch")
+    p.add_argument("--subset", type=int, help=argparse.SUPPRESS)        # the overhead worker's, from run()
+    p.add_argument("--global-batch", type=int, help=argparse.SUPPRESS)  # likewise
     p.add_argument("--repeats", type=int)
     p.add_argument("--overhead-epochs", type=int)
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
@@ -431,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.overhead_worker:
         overhead_worker(Path(ns.overhead_worker), ns.subset, ns.global_batch, ns.overhead_epochs)
         return 0
-    over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from", "subset",
-                                        "global_batch", "repeats", "overhead_epochs", "pin") if getattr(ns, k) is not None}
+    over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
+                                        "batch_per_rank", "steps", "repeats", "overhead_epochs", "pin")
+            if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)
     try:

@@ -20,7 +20,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 def test_bench_quickest(tmp_path):
     out = tmp_path / "bench"
     p = _run([sys.executable, "-m", "hetero.bench", "--quick", "--out", str(out), "--worlds", "2", "--slowdowns", "3",
-              "--schemes", "edp", "--epochs", "2", "--subset", "512", "--global-batch", "64",
+              "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
               "--overhead-epochs", "2", "--max-workers", "16"], timeout=240)
     res = json.loads((out / "bench.json").read_text())
     assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
@@ -28,6 +28,7 @@ def test_bench_quickest(tmp_path):
 
     (r,) = res["balance"]
     assert (r["world"], r["slowdown"], r["scheme"], r["speedup_vs_sync"]) == (2, 3.0, "edp", None)
+    assert (r["global_batch"], r["steps"]) == (64, 8)
     assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("over_ideal", "over_sync_bound")) and r["jitter"] >= 0
     assert 0.3 < r["over_ideal"] < 5 and abs(sum(r["shares"]) - 1) < 0.01
     assert r["shares"][1] < 0.5  # the slowed rank (the last) was given less work
@@ -50,7 +51,7 @@ def test_bench_quickest(tmp_path):
 def test_gpu_check_smoke(tmp_path):
     out = tmp_path / "gpu" / "check.json"
     _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--out", str(out),
-          "--work-dir", str(tmp_path / "work")], timeout=180)
+          "--work-dir", str(tmp_path / "work")], timeout=300)
     res = json.loads(out.read_text())
     assert out.with_suffix(".md").read_text().startswith("# GPU check")
     for part in ("throughput", "fast"):  # float32, then bf16 autocast + channels-last
@@ -61,3 +62,7 @@ def test_gpu_check_smoke(tmp_path):
     (edp,) = res["pair"]["rows"]
     assert "error" not in edp and edp["scheme"] == "edp" and len(edp["shares"]) == 2
     assert edp["shares"][1] < edp["shares"][0]  # rank 1 is the slowed one
+    mixed = res["mixed"]["rows"]  # on the CPU: two CPU ranks stand in for the GPU + CPU job
+    assert [r["scheme"] for r in mixed] == ["sync", "edp", "affine"] and not any("error" in r for r in mixed)
+    assert mixed[1]["speedup_vs_sync"] > 0 and abs(sum(mixed[2]["shares"]) - 1) < 0.01
+    assert res["probe"] == {**res["probe"], "max_batch": None, "step_at_max_fits": True}  # CPU: no limit

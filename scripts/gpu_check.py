@@ -8,9 +8,14 @@
    device synchronisation after every step (the trainer reads its step clock every step), and the trainer on
    one rank (`python -m hetero.train`, a world of one, synthetic data, no augmentation), median over the
    epochs after the first.
-2. two ranks on the one GPU (gloo, since NCCL refuses two ranks on one device), rank 1 slowed, every scheme:
+2. mixed: one job of one GPU rank and two CPU ranks with different thread budgets (--device cuda,cpu,cpu
+   --threads 0,4,2, each CPU rank pinned to its own cores; gloo), tiny model, no emulated delay; sync, edp and
+   affine: steady-state epoch time, shares, speedup over sync.
+3. two ranks on the one GPU (gloo, since NCCL refuses two ranks on one device), rank 1 slowed, every scheme:
    steady-state epoch time, final shares, speedup over sync.
-3. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
+4. probe: the largest VGG16 training batch that fits (hetero.memory.probe_max_batch, as --max-batch probe), then
+   a real training step (SGD with momentum) at that size, which must fit.
+5. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
    --channels-last).
 The figures go to --out as JSON and, next to it, as a markdown table (.md), rewritten after every part so that
 a run cut short still leaves what it measured. Needs torch (2.4 or later) and torchvision; not pandas.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import platform
 import socket
 import statistics
@@ -33,6 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SCHEMES = ("sync", "dp", "edp", "affine")
+PARTS = ("throughput", "mixed", "pair", "probe", "fast")  # in order of importance: later ones may run out of time
 EXTRA_PATH: list[str] = []  # a stand-in tqdm, when the GPU machine's python lacks it (see preflight)
 TQDM_STAND_IN = """class tqdm:  # written by scripts/gpu_check.py: tqdm is missing here; the trainer only draws a bar
     def __init__(self, *args, **kwargs): pass
@@ -55,11 +62,20 @@ class Sizes:
     pair_epochs: int
     pair_hetero: str
     test_subset: int
+    mixed_devices: str            # the mixed part: --device, --threads, --affinity of its ranks
+    mixed_threads: str
+    mixed_affinity: str
+    mixed_subset: int
+    mixed_epochs: int
+    probe_model: str
+    probe_hi: int                 # the probe's largest try
     budget_s: float               # the whole check stops starting new parts after this long
 
 
-GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680, 3, "1:slowdown=3", 1000, 270)
-SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64, 120)
+GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680, 3, "1:slowdown=3", 1000,
+            "cuda,cpu,cpu", "0,4,2", "auto", 10240, 4, "vgg16", 1 << 17, 270)
+SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64,
+              "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 150)
 
 
 def raw_samples_s(name: str, s: Sizes, sync_each: bool, fast: bool = False) -> float:
@@ -178,19 +194,21 @@ def throughput(s: Sizes, work: Path, left, fast: bool = False) -> list[dict]:
     return out
 
 
-def pair(s: Sizes, work: Path, left, schemes: tuple[str, ...]) -> dict:
-    res: dict = {"model": s.pair_model, "hetero": s.pair_hetero, "backend": "gloo", "ranks": 2, "rows": []}
+def compare(s: Sizes, work: Path, left, tag: str, nproc: int, model: str, subset: int, epochs: int,
+            extra: list[str], schemes: tuple[str, ...]) -> list[dict]:
+    """One trainer run per scheme (same data and sizes): steady-state epoch time, last epoch's shares, per-rank
+    compute and wait, speedup over sync."""
+    rows = []
     for scheme in schemes:
         row: dict = {"scheme": scheme}
         if left() < 20:
             row["error"] = "skipped: out of time"
-            res["rows"].append(row)
+            rows.append(row)
             continue
-        run = work / f"pair-{scheme}"
+        run = work / f"{tag}-{scheme}"
         try:
-            trainer(2, common_args(s, s.pair_model, s.pair_subset, s.pair_epochs, run) +
-                    ["--scheme", scheme, "--hetero", s.pair_hetero, "--backend", "gloo"],
-                    work / "logs" / f"pair-{scheme}.log", left())
+            trainer(nproc, common_args(s, model, subset, epochs, run) + ["--scheme", scheme] + extra,
+                    work / "logs" / f"{tag}-{scheme}.log", left())
             row["epoch_s"], row["steps"], _ = _steady_epoch_s(run)
             ranks = _rows(run / "ranks.csv")
             last = max(int(r["epoch"]) for r in ranks)
@@ -198,13 +216,87 @@ def pair(s: Sizes, work: Path, left, schemes: tuple[str, ...]) -> dict:
             row["compute_s"] = [float(r["compute_s"]) for r in ranks if int(r["epoch"]) == last]
             row["wait_s"] = [float(r["wait_s"]) for r in ranks if int(r["epoch"]) == last]
             row["balance_eff"] = float(_rows(run / "epochs.csv")[-1]["balance_eff"])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - record it and go on with the next scheme
             row["error"] = f"{type(e).__name__}: {e}"
-        res["rows"].append(row)
-    sync = next((r.get("epoch_s") for r in res["rows"] if r["scheme"] == "sync"), None)
-    for r in res["rows"]:
+        rows.append(row)
+    sync = next((r.get("epoch_s") for r in rows if r["scheme"] == "sync"), None)
+    for r in rows:
         if sync and r.get("epoch_s"):
             r["speedup_vs_sync"] = sync / r["epoch_s"]
+    return rows
+
+
+def pair(s: Sizes, work: Path, left, schemes: tuple[str, ...]) -> dict:
+    res = {"model": s.pair_model, "hetero": s.pair_hetero, "backend": "gloo", "ranks": 2}
+    res["rows"] = compare(s, work, left, "pair", 2, s.pair_model, s.pair_subset, s.pair_epochs,
+                          ["--hetero", s.pair_hetero, "--backend", "gloo"], schemes)
+    return res
+
+
+def mixed_affinity(s: Sizes) -> str:
+    """Cores for the mixed part's ranks: the CPU ranks get as many cores as threads, the GPU rank the next four,
+    all apart; unpinned ("") when the host has too few."""
+    if s.mixed_affinity != "auto":
+        return s.mixed_affinity
+    cores, sets, at = sorted(os.sched_getaffinity(0)), [], 0
+    order = sorted(range(len(s.mixed_devices.split(","))), key=lambda r: s.mixed_devices.split(",")[r] != "cpu")
+    want = {r: int(t) or 4 for r, t in enumerate(s.mixed_threads.split(","))}
+    for r in order:
+        sets.append((r, cores[at:at + want[r]]))
+        at += want[r]
+    if at > len(cores):
+        return ""
+    spans = {r: f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for r, c in sets}
+    return ",".join(spans[r] for r in range(len(spans)))
+
+
+def mixed(s: Sizes, work: Path, left) -> dict:
+    res = {"model": "tiny", "devices": s.mixed_devices, "threads": s.mixed_threads, "affinity": mixed_affinity(s),
+           "backend": "auto (gloo)", "ranks": len(s.mixed_devices.split(","))}
+    res["rows"] = compare(s, work, left, "mixed", res["ranks"], "tiny", s.mixed_subset, s.mixed_epochs,
+                          ["--device", s.mixed_devices, "--threads", s.mixed_threads, "--affinity", res["affinity"]],
+                          ("sync", "edp", "affine"))
+    return res
+
+
+def probe(s: Sizes, left) -> dict:
+    """The largest batch of probe_model that fits on the device (as --max-batch probe finds it, with hi = the
+    largest try instead of the global batch), then one real SGD-with-momentum step at that batch."""
+    import torch
+    import torch.nn.functional as F
+
+    from hetero.memory import probe_max_batch
+    from hetero.models import build_model
+
+    res: dict = {"model": s.probe_model, "hi": s.probe_hi}
+    if left() < 30:
+        return {**res, "error": "skipped: out of time"}
+    dev = torch.device(s.device)
+    try:
+        model = build_model(s.probe_model).to(dev)
+        t0 = time.perf_counter()
+        found = probe_max_batch(model, (3, 32, 32), 10, dev, lo=1, hi=s.probe_hi)
+        res["probe_s"] = time.perf_counter() - t0
+        res["max_batch"] = None if found == float("inf") else int(found)
+        if dev.type == "cuda":
+            res["total_gib"] = torch.cuda.get_device_properties(dev).total_memory / 2 ** 30
+            torch.cuda.reset_peak_memory_stats(dev)
+        b = res["max_batch"] or s.batch
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+        for _ in range(2):  # the second step has the momentum buffers: training's peak
+            loss = F.cross_entropy(model(torch.zeros(b, 3, 32, 32, device=dev)), torch.arange(b, device=dev) % 10)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+        res["step_at_max_fits"] = True
+        if dev.type == "cuda":
+            res["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
+        del model, opt
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
@@ -219,17 +311,35 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['model']} | {r['path']} | {r['batch']} | {f(r, 'raw_samples_s', '.0f')} | "
                      f"{f(r, 'raw_synced_samples_s', '.0f')} | {f(r, 'trainer_samples_s', '.0f')} | "
                      f"{f(r, 'trainer_over_raw', '.3f')} | {f(r, 'trainer_over_raw_synced', '.3f')} |")
+    if p := res.get("mixed"):
+        lines += ["", f"## Mixed job: devices {p['devices']}, threads {p['threads']}, cores {p['affinity'] or '-'} "
+                      f"({p['backend']}), {p['model']}, no emulated delay", ""] + _scheme_table(p["rows"])
     if p := res.get("pair"):
-        lines += ["", f"## Two ranks on one GPU ({p['backend']}), {p['model']}, --hetero {p['hetero']}", "",
-                  "| scheme | epoch s | speedup vs sync | shares | balance |", "|---|---|---|---|---|"]
-        for r in p["rows"]:
-            if "epoch_s" not in r:
-                lines.append(f"| {r['scheme']} | {r.get('error', '')[:80]} | | | |")
-                continue
-            speedup = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
-            lines.append(f"| {r['scheme']} | {r['epoch_s']:.3f} | {speedup} | "
-                         f"{'/'.join(f'{v:.2f}' for v in r['shares'])} | {r['balance_eff']:.2f} |")
+        lines += ["", f"## Two ranks on one GPU ({p['backend']}), {p['model']}, --hetero {p['hetero']}", ""] + \
+            _scheme_table(p["rows"])
+    if p := res.get("probe"):
+        lines += ["", f"## Largest batch that fits ({p['model']}, float32; --max-batch probe)", ""]
+        if "error" in p:
+            lines.append(f"error: {p['error']}")
+        elif p["max_batch"] is None:
+            lines.append("not probed: a CPU device has no limit (host memory does not fail cleanly)")
+        else:
+            lines.append(f"{p['max_batch']} samples (90% of the largest that fit; tries up to {p['hi']}), found in "
+                         f"{p['probe_s']:.1f} s; an SGD step at that size fits"
+                         + (f" (peak {p['peak_gib']:.1f} of {p['total_gib']:.1f} GiB)" if "peak_gib" in p else ""))
     return "\n".join(lines) + "\n"
+
+
+def _scheme_table(rows: list[dict]) -> list[str]:
+    lines = ["| scheme | epoch s | speedup vs sync | shares | balance |", "|---|---|---|---|---|"]
+    for r in rows:
+        if "epoch_s" not in r:
+            lines.append(f"| {r['scheme']} | {r.get('error', '')[:80]} | | | |")
+            continue
+        speedup = f"{r['speedup_vs_sync']:.2f}x" if "speedup_vs_sync" in r else "-"
+        lines.append(f"| {r['scheme']} | {r['epoch_s']:.3f} | {speedup} | "
+                     f"{'/'.join(f'{v:.2f}' for v in r['shares'])} | {r['balance_eff']:.2f} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSON file for the figures (a .md table is written next to it)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model and sizes: checks that the script runs")
     p.add_argument("--schemes", default=",".join(SCHEMES), help="schemes of the two-rank part")
-    p.add_argument("--parts", default="throughput,pair,fast", help="any of throughput,pair,fast (run in that order)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"any of {','.join(PARTS)} (run in that order)")
     p.add_argument("--work-dir", default="", help="run folders and logs (default runs/gpu_check/<time>)")
     p.add_argument("--budget-s", type=float, help="stop starting new parts after this many seconds")
     p.add_argument("--pair-model", help="model of the two-rank part (default vgg16)")
@@ -276,19 +386,20 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".md").write_text(markdown(res))
 
     parts = ns.parts.split(",")
-    if "throughput" in parts:
-        res["throughput"] = throughput(s, work, left)
-        save()
-    if "pair" in parts:
-        res["pair"] = pair(s, work, left, tuple(ns.schemes.split(",")))
-        save()
-    if "fast" in parts:
-        res["fast"] = throughput(s, work, left, fast=True)
-        save()
+    if bad := [x for x in parts if x not in PARTS]:
+        p.error(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
+    run_part = {"throughput": lambda: throughput(s, work, left), "mixed": lambda: mixed(s, work, left),
+                "pair": lambda: pair(s, work, left, tuple(ns.schemes.split(","))), "probe": lambda: probe(s, left),
+                "fast": lambda: throughput(s, work, left, fast=True)}
+    for part in PARTS:
+        if part in parts:
+            res[part] = run_part[part]()
+            save()
     print(markdown(res), end="")
-    rows = res.get("throughput", []) + res.get("pair", {}).get("rows", [])
-    fast = [r for r in res.get("fast", []) if not r.get("error", "").startswith("skipped")]  # best effort
-    return 1 if any("error" in r for r in rows + fast) else 0
+    found = res.get("throughput", []) + [res["probe"]] * ("probe" in res)
+    found += [r for k in ("mixed", "pair") for r in res.get(k, {}).get("rows", [])]
+    found += [r for r in res.get("fast", []) if not r.get("error", "").startswith("skipped")]  # best effort
+    return 1 if any("error" in r for r in found) else 0
 
 
 if __name__ == "__main__":

@@ -113,9 +113,12 @@ class Trainer:
         model = build_model(cfg.model, len(data.classes)).to(dev, memory_format=self.memory_format)
         self.model = model
         self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+        self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment)
+        lo, hi = (len(data.test_y) * world.rank) // world.world, (len(data.test_y) * (world.rank + 1)) // world.world
+        self.test = DeviceLoader(data.test_x[lo:hi], data.test_y[lo:hi], data.mean, data.std, dev, augment=False)
         self.max_batches = cfg.max_batches(world.world)
         if any(cfg.probes(r, world.world) for r in range(world.world)):
-            self.max_batches = self._probe_limits(data)  # before DDP: the bare model, no collectives
+            self.max_batches = self._probe_limits(data)  # data on the device, before DDP: the bare model
         self.ddp = wrap_ddp(model, dev)
         self.hook = HookState(weight=1.0 / world.world)
         self.ddp.register_comm_hook(self.hook, weighted_allreduce_hook)
@@ -125,9 +128,6 @@ class Trainer:
         self.balancer = Balancer(self.scheme.rule, world.world, cfg.global_batch, cfg.min_batch,
                                  self.max_batches, cfg.smoothing, cfg.deadband, sit_out=cfg.sit_out)
         self.emulator = Emulator(cfg.hetero, world.rank, cfg.seed)
-        self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment)
-        lo, hi = (len(data.test_y) * world.rank) // world.world, (len(data.test_y) * (world.rank + 1)) // world.world
-        self.test = DeviceLoader(data.test_x[lo:hi], data.test_y[lo:hi], data.mean, data.std, dev, augment=False)
         self.folder = RunFolder(run_dir) if world.is_main else None
         self.epoch, self.train_time_s, self.global_step = 0, 0.0, 0
         self.history: list[dict] = []

@@ -156,6 +156,9 @@ class Balancer:
         w = np.asarray(d.get("windows", []), float)
         self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
         self._probe_sizes = None
+        hi = np.broadcast_to(np.inf if self.max_batch is None else np.asarray(self.max_batch, float), (self.world,))
+        if np.any(self.sizes > hi):  # resumed under lower limits (a GPU probed again): same shares, new bounds
+            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch)
 
 
 def _fill_unknown(x: np.ndarray) -> np.ndarray:

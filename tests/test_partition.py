@@ -71,3 +71,13 @@ def test_balancer_state_roundtrip():
     b = Balancer("proportional", 3, 300, smoothing=0.5)
     b.load_state_dict(a.state_dict())
     assert b.sizes.tolist() == a.sizes.tolist() and b.shares == pytest.approx(a.shares)
+
+
+def test_balancer_resumed_under_lower_limits_keeps_them():
+    a = Balancer("proportional", 2, 256)
+    a.observe([[128, 128]] * 4, [[3.0, 1.0]] * 4)
+    a.decide()
+    assert a.sizes.tolist() == [64, 192]
+    b = Balancer("proportional", 2, 256, max_batch=[256, 150])  # e.g. a GPU probed again with less memory free
+    b.load_state_dict(a.state_dict())
+    assert b.sizes.tolist() == [106, 150] and b.shares == pytest.approx(a.shares)

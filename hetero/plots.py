@@ -194,6 +194,25 @@ def save(fig: plt.Figure, out_dir: str | Path, name: str) -> list[Path]:
     return paths
 
 
+def show(fig: plt.Figure, out_dir: str | Path | None = None, name: str = "", alt: str = "") -> None:
+    """In a notebook: save the figure when out_dir is given, display it once with alternative text (default: its
+    title and note), and close it. The PNG goes out twice: as image/png, and as an <img> with an alt attribute in
+    text/html, which HTML exports and JupyterLab show first (nbconvert's default template drops image metadata)."""
+    import html
+
+    from IPython.core.pylabtools import print_figure
+    from IPython.display import display
+
+    if out_dir is not None:
+        save(fig, out_dir, name)
+    alt = alt or " ".join(" ".join(t.get_text().split()).rstrip(".") + "." for t in reversed(fig.texts)) or name
+    png = print_figure(fig, "png", bbox_inches="tight", base64=True)  # what the inline backend would show
+    display({"image/png": png, "text/plain": repr(fig),
+             "text/html": f'<img src="data:image/png;base64,{png}" alt="{html.escape(alt)}" style="max-width: 100%">'},
+            raw=True, metadata={"image/png": {"alt": alt}})
+    plt.close(fig)
+
+
 FIGURES = {"curves_epoch": lambda f: curves(f, "epoch"), "curves_time": lambda f: curves(f, "time"),
            "shares": shares, "step_times": step_hist, "time_breakdown": breakdown}
 

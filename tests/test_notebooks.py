@@ -131,6 +131,8 @@ def test_report_exports_html_without_code(executed):
 
     nb = nbformat.read(executed / "report" / "report.ipynb", as_version=4)
     html, _ = HTMLExporter(exclude_input=True).from_notebook_node(nb)
-    assert "plots.save(" not in html and "from hetero import" not in html
+    assert "plots.show(" not in html and "from hetero import" not in html
     assert html.count("<img") == len(FIGURES)
+    assert html.count('alt="Test loss and accuracy against') == 2  # alternative text: each figure's title and note
+    assert 'alt="Where each rank' in html and 'alt="No description' not in html
     assert "Sync-SGD" in html and "EDP-SGD" in html and "speedup vs Sync-SGD" in html

@@ -41,6 +41,16 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return good
 
 
+def shared_gpus(places: list[tuple[str, str]], probing: list[bool]) -> list[list[int]]:
+    """Groups of ranks (at least one of them probing) that share a GPU: places[r] = (host, device) of rank r.
+    The probe measures one rank alone on its device, so it cannot speak for ranks that will train side by side."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r, (host, dev) in enumerate(places):
+        if dev.startswith("cuda"):
+            groups.setdefault((host, dev), []).append(r)
+    return [g for g in groups.values() if len(g) > 1 and any(probing[r] for r in g)]
+
+
 def probe_max_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device, *,
                     lo: int, hi: int, autocast=None, memory_format=torch.contiguous_format,
                     headroom: float = HEADROOM) -> float:

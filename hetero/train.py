@@ -36,7 +36,7 @@ from .dist import (HookState, StepClock, World, apply_cpu_budget, average_buffer
 from .emulator import Emulator
 from .models import build_model
 from .balancer import Balancer
-from .memory import probe_max_batch
+from .memory import probe_max_batch, shared_gpus
 from .partition import SCHEMES, check_feasible
 from .runlog import RunFolder, check_run_dir
 from .sampler import EpochPlan
@@ -136,6 +136,13 @@ class Trainer:
         """Collective: GPU ranks set to `probe` find their largest batch (memory.py), all ranks gather the results
         (a failed probe as -1, so every rank stops with the same error instead of waiting on the failed one)."""
         cfg, w = self.cfg, self.world
+        places = [None] * w.world
+        dist.all_gather_object(places, (socket.gethostname(), str(w.device)))
+        if shared := shared_gpus(places, [cfg.probes(r, w.world) for r in range(w.world)]):
+            ranks = shared[0]
+            raise TrainingError(f"--max-batch probe needs a GPU of its own per rank: ranks "
+                                f"{', '.join(map(str, ranks))} share {places[ranks[0]][1]} on {places[ranks[0]][0]}; "
+                                f"give their --max-batch as numbers")
         own, err = float("inf"), ""
         if cfg.probes(w.rank, w.world):
             try:

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from conftest import TINY, read_run, run_train
 from hetero.config import Config, ConfigError
-from hetero.memory import fitting_batch, largest_fitting, probe_max_batch
+from hetero.memory import fitting_batch, largest_fitting, probe_max_batch, shared_gpus
 
 
 @pytest.mark.parametrize("lo,hi", [(1, 1), (1, 64), (3, 100), (1, 1000), (16, 17)])
@@ -92,3 +92,11 @@ def test_probe_on_cpu_ranks_means_no_limit_and_limits_still_hold(tmp_path):
     assert r["config"]["max_batches"] == [None, 40]
     assert r["steps"][r["steps"]["rank"] == 1].batch_size.max() == 40  # rank 1 would take more: the limit holds
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+def test_probe_refuses_ranks_that_share_a_gpu():
+    places = [("a", "cuda:0"), ("a", "cuda:0"), ("b", "cuda:0"), ("a", "cpu"), ("a", "cpu")]
+    assert shared_gpus(places, [True] * 5) == [[0, 1]]           # same host and GPU; CPU ranks may share
+    assert shared_gpus(places, [False, True, True, True, True]) == [[0, 1]]
+    assert shared_gpus(places, [False, False, True, True, True]) == []  # given limits for both: nothing probed there
+    assert shared_gpus([("a", "cuda:0"), ("a", "cuda:1")], [True, True]) == []

@@ -12,7 +12,8 @@ def test_mid_epoch_slowdown_is_followed_and_every_sample_seen_once(tmp_path):
                "--hetero", "1:slowdown=3@s12-", "--threads", "1", "--seed", "5", "--run-dir", str(run)], nproc=2)
     steps = read_run(run)["steps"]
     b1 = steps[steps["rank"] == 1].set_index("step").batch_size
-    assert ((b1.loc[:11] - 64).abs() <= 6).all()           # about equal until the slowdown (timing noise only)
+    # about equal until the slowdown: timing noise only (a 2-core CI host has shown 72/56 in a 4-step window)
+    assert ((b1.loc[:11] - 64).abs() <= 12).all()
     assert b1.loc[24:].mean() < 0.35 * 128, b1.tolist()    # followed within three rebalances
     assert (steps.groupby("step").batch_size.sum() == 128).all()
     # rebuild every rank's indices from the recorded sizes: each sample exactly once, only N mod B left out

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .partition import (N_STATS, _moments, affine_batch_sizes, batch_sizes, fit_stats, predicted_step_s,
+from .partition import (N_STATS, _as_bounds, _moments, affine_batch_sizes, batch_sizes, fit_stats, predicted_step_s,
                         proportional_shares, window_stats)
 
 
@@ -156,8 +156,7 @@ class Balancer:
         w = np.asarray(d.get("windows", []), float)
         self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
         self._probe_sizes = None
-        hi = np.broadcast_to(np.inf if self.max_batch is None else np.asarray(self.max_batch, float), (self.world,))
-        if np.any(self.sizes > hi):  # resumed under lower limits (a GPU probed again): same shares, new bounds
+        if np.any(self.sizes > _as_bounds(self.world, self.max_batch, np.inf)):  # resumed under lower limits (a GPU probed again): same shares, new bounds
             self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch)
 
 

@@ -103,6 +103,11 @@ def load_replay(run: Path, cfg: Config, world: int) -> dict[int, np.ndarray]:
     return out
 
 
+def limits_text(limits: list[float] | None, world: int) -> str:
+    """Per-rank maximum batch sizes as "512,-" ('-': no limit)."""
+    return ",".join("-" if v == float("inf") else str(int(v)) for v in (limits or [float("inf")] * world))
+
+
 class Trainer:
     def __init__(self, cfg: Config, world: World, data: DataSet, run_dir: Path, replay: dict | None):
         self.cfg, self.world, self.replay = cfg, world, replay
@@ -160,10 +165,9 @@ class Trainer:
         try:
             check_feasible(w.world, cfg.global_batch, cfg.min_batch, limits)
         except ValueError:
-            shown = ",".join("-" if v == float("inf") else str(int(v)) for v in limits)
-            raise TrainingError(f"the largest batches per rank ({shown}; probed with --max-batch {cfg.max_batch}) "
-                                f"hold less than the global batch {cfg.global_batch}: lower --global-batch or add "
-                                f"ranks") from None
+            raise TrainingError(f"the largest batches per rank ({limits_text(limits, w.world)}; probed with "
+                                f"--max-batch {cfg.max_batch}) hold less than the global batch {cfg.global_batch}: "
+                                f"lower --global-batch or add ranks") from None
         return limits
 
     # -- checkpoint -------------------------------------------------------------------------------------------
@@ -424,8 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         if world.is_main:
             if "probe" in cfg.max_batch:
                 print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): "
-                      f"{','.join('-' if v is None else str(v) for v in meta['max_batches'] or [None] * world.world)}"
-                      f" ('-': no limit; CPU ranks are not probed)", flush=True)
+                      f"{limits_text(limits, world.world)} ('-': no limit; CPU ranks are not probed)", flush=True)
             trainer.folder.start(meta, trainer.epoch if resume else None, cfg.overwrite)
             print(f"hetero: {cfg.model} {cfg.scheme} on {world.world} rank(s) ({world.backend}), run folder "
                   f"{run_dir}" + (f", resuming after epoch {trainer.epoch}" if resume else ""), flush=True)

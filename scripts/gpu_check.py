@@ -234,20 +234,18 @@ def pair(s: Sizes, work: Path, left, schemes: tuple[str, ...]) -> dict:
 
 
 def mixed_affinity(s: Sizes) -> str:
-    """Cores for the mixed part's ranks: the CPU ranks get as many cores as threads, the GPU rank the next four,
-    all apart; unpinned ("") when the host has too few."""
+    """Cores for the mixed part's ranks, consecutive and apart: as many as a rank's threads (four for a GPU rank's
+    host work, its threads being 0); unpinned ("") when the host has too few."""
     if s.mixed_affinity != "auto":
         return s.mixed_affinity
-    cores, sets, at = sorted(os.sched_getaffinity(0)), [], 0
-    order = sorted(range(len(s.mixed_devices.split(","))), key=lambda r: s.mixed_devices.split(",")[r] != "cpu")
-    want = {r: int(t) or 4 for r, t in enumerate(s.mixed_threads.split(","))}
-    for r in order:
-        sets.append((r, cores[at:at + want[r]]))
-        at += want[r]
-    if at > len(cores):
-        return ""
-    spans = {r: f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for r, c in sets}
-    return ",".join(spans[r] for r in range(len(spans)))
+    cores, spans, at = sorted(os.sched_getaffinity(0)), [], 0
+    for t in s.mixed_threads.split(","):
+        n = int(t) or 4
+        if at + n > len(cores):
+            return ""
+        spans.append(f"{cores[at]}-{cores[at + n - 1]}")
+        at += n
+    return ",".join(spans)
 
 
 def mixed(s: Sizes, work: Path, left) -> dict:

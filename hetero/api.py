@@ -17,6 +17,7 @@ step (README, "Use it in your own loop").
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,13 +80,14 @@ class Balance:
         self._regimes: list[tuple[int, Balancer]] = [(FAR, copy.deepcopy(self.balancer))]
         self._planned: dict[int, np.ndarray] = {}  # position -> every rank's sizes, fixed when handed out
         self._handed = FAR   # next position this rank's sampler hands out
-        self._window: list[tuple[int, StepClock]] = []  # steps since the last decision
+        self._window: list[tuple[np.ndarray, StepClock]] = []  # (sizes, clock) of the steps since the last decision
         self._device, self._coll = torch.device("cpu"), torch.device("cpu")
         self._pos, self._step, self._clock, self._weight = 0, 0, None, 1.0 / self.world
         self._sizes = self.balancer.sizes
         self._started: int | None = None  # the epoch set_epoch last started
         self._attached = False
         self._syncs = self._forwards = 0
+        self._in_flight, self._all_issued, self._lock = 0, False, threading.Lock()
 
     # -- set-up ------------------------------------------------------------------------------------------------
     def probe(self, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device,
@@ -160,17 +162,19 @@ class Balance:
         b = int(self._sizes[self.rank])
         self._weight = b / self.global_batch if self.scheme.weighted else 1.0 / self.world
         self._syncs = self._forwards = 0
+        self._in_flight, self._all_issued = 0, False
         self._clock = StepClock(self._device)
         self._clock.mark("start")
 
     def end_step(self) -> Decision | None:
         """End a step (after the optimizer step); every K steps and at the epoch's end, decide (collective)."""
         self._clock.mark("end")
+        clock, self._clock = self._clock, None
         if self._attached and (self._syncs != 1 or self._forwards > 1):
             raise RuntimeError(f"hetero: a step ran {self._forwards} forward(s) and {self._syncs} gradient "
                                "all-reduce(s); it needs one of each: gradient accumulation (no_sync) is not "
                                "supported, raise global_batch instead (max_batch bounds each rank's batch)")
-        self._window.append((self._sizes, self._clock))
+        self._window.append((self._sizes, clock))
         self._planned = {p: s for p, s in self._planned.items() if p > self._pos}
         step, self._step, self.global_step = self._step, self._step + 1, self.global_step + 1
         last = step == self.steps_per_epoch - 1
@@ -182,9 +186,9 @@ class Balance:
     def step(self, batch_size: int | None = None) -> Iterator[None]:
         """Wrap forward, backward and optimizer step; batch_size (optional) is checked against the schedule."""
         self.begin_step()
-        if batch_size is not None and batch_size != self.sizes_at(self.epoch, self._step)[self.rank]:
+        if batch_size is not None and batch_size != self._sizes[self.rank]:
             raise RuntimeError(f"hetero: step {self._step} got {batch_size} samples, the schedule says "
-                               f"{self.sizes_at(self.epoch, self._step)[self.rank]}: is the loader this Balance's sampler?")
+                               f"{self._sizes[self.rank]}: is the loader this Balance's sampler?")
         yield
         self.end_step()
 
@@ -213,6 +217,8 @@ class Balance:
 
     def _on_ready(self) -> None:
         """Last bucket handed over: local gradients are complete. An emulated slow rank spends its delay here."""
+        if self._clock is None:
+            raise RuntimeError("hetero: a backward ran outside `with bal.step()` (or begin_step/end_step)")
         self._syncs += 1
         if self.emulator.effects:
             own = self._clock.host_elapsed_s() if self.emulator.needs_compute_time else 0.0
@@ -240,16 +246,21 @@ class Balance:
 def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Sum over ranks of weight_i * g_i (b_i/B: the global-batch gradient; 1/world: DDP's mean). Linear, so a
     GradScaler's scale passes through and clipping or unscaling after the all-reduce see the exact gradient."""
-    last = bucket.is_last()
-    if last:
+    if bucket.is_last():
         state._on_ready()
     buf = bucket.buffer()
     buf.mul_(state._weight)
+    with state._lock:
+        state._in_flight += 1
+        state._all_issued = bucket.is_last()
     fut = dist.all_reduce(buf, async_op=True).get_future()
+    clock = state._clock
 
     def done(f):
-        if last:  # the all-reduce came back: the end of this rank's wait
-            state._clock.mark("returned")
+        with state._lock:  # gloo may finish buckets out of order: the wait ends with the last one back
+            state._in_flight -= 1
+            if state._in_flight == 0 and state._all_issued:
+                clock.mark("returned")
         return f.value()[0]
     return fut.then(done)
 

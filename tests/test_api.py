@@ -109,9 +109,16 @@ class Indexed(Dataset):
         return self.x[i], i % 3, i
 
 
-def _schedule_worker(rank: int, out: str, lag, workers: int) -> None:
-    """Two epochs with 2 DataLoader workers, rank 1 delayed 0.1 s per step, decisions every 2 steps."""
+def _schedule_worker(rank: int, out: str) -> None:
     _join(rank)
+    results = [_two_epochs(None), _two_epochs(1)]
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _two_epochs(lag: int | None, workers: int = 2) -> dict:
+    """Two epochs with 2 DataLoader workers, rank 1 delayed 0.1 s per step, decisions every 2 steps."""
     result = {"error": ""}
     try:
         bal = hetero.Balance(scheme="dp", global_batch=24, rebalance_every=2, hetero="1:delay=0.1", lag=lag)
@@ -134,13 +141,17 @@ def _schedule_worker(rank: int, out: str, lag, workers: int) -> None:
         result.update(seen=seen, sizes=sizes, decisions=[d.__dict__ for d in bal.decisions])
     except RuntimeError as e:
         result["error"] = str(e)
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(result, f)
-    dist.destroy_process_group()
+    return result
 
 
-def test_decisions_reach_every_rank_at_the_same_step_with_loader_workers(tmp_path):
-    r = _spawn(_schedule_worker, tmp_path, None, 2)
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory) -> list[list[dict]]:
+    """[rank][run]: run 0 with the default lag, run 1 with lag=1 (shorter than the workers' prefetch)."""
+    return _spawn(_schedule_worker, tmp_path_factory.mktemp("schedule"))
+
+
+def test_decisions_reach_every_rank_at_the_same_step_with_loader_workers(schedule_runs):
+    r = [rank[0] for rank in schedule_runs]
     assert not r[0]["error"] and not r[1]["error"]
     assert r[0]["sizes"] == r[1]["sizes"]                       # every step cut alike on both ranks
     for epoch in ("0", "1"):
@@ -156,8 +167,8 @@ def test_decisions_reach_every_rank_at_the_same_step_with_loader_workers(tmp_pat
     assert r[0]["sizes"]["19"][0] > 18                          # the fast rank took most of the work
 
 
-def test_a_fixed_lag_shorter_than_the_prefetch_stops_every_rank(tmp_path):
-    r = _spawn(_schedule_worker, tmp_path, 1, 2)
+def test_a_fixed_lag_shorter_than_the_prefetch_stops_every_rank(schedule_runs):
+    r = [rank[1] for rank in schedule_runs]
     assert "ahead of training, beyond lag=1" in r[0]["error"] and r[0]["error"] == r[1]["error"]
 
 

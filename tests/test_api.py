@@ -254,3 +254,27 @@ def test_edp_step_equals_single_process_sgd_and_scaler_and_clipping_keep_it(tmp_
         assert _diff(rank["sync"], mean) < 1e-5
         assert _diff(rank["scaler_clip"], _reference(weighted=True, clip=0.05)) < 1e-5
         assert "gradient accumulation (no_sync) is not supported" in rank["accumulation"]
+
+
+@pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])
+def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
+    """One process plays rank 0 of two; the gather is faked with injected times (rank 1 3x slower per sample)."""
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme=scheme, rebalance_every=3, smoothing=0.2)
+    sampler = bal.batch_sampler(320)
+
+    def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
+        sizes = torch.tensor(np.stack([s for s, _ in bal._window]), dtype=torch.float64)
+        handed = row[-1:]
+        return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
+    monkeypatch.setattr(hetero.api, "gather_rows", fake_gather)
+    for epoch in range(2):
+        bal.set_epoch(epoch)
+        for batch in sampler:
+            with bal.step(batch_size=len(batch)):
+                pass
+    if scheme == "sync":
+        assert bal.decisions == [] and bal.last_sizes == [16, 16]
+        return
+    assert len(bal.decisions) == 8                   # steps 2, 5, 8 and the epoch's last (9), twice
+    assert all(d.effective == d.epoch * 10 + d.step + 1 for d in bal.decisions)  # no prefetch: the next step
+    assert bal.last_sizes == [24, 8]                 # 3x slower rank 1: a quarter

@@ -1,4 +1,4 @@
-"""ResNet-18 on an ImageFolder with PyTorch Lightning and hetero: per-rank batch sizes, the b_i/B weighting, rebalancing.
+"""ResNet-18 on an ImageFolder with PyTorch Lightning and hetero: per-rank batch sizes, b_i/B weighting, rebalancing.
 
     torchrun --standalone --nproc-per-node=2 examples/lightning_example.py --data ../shared/data/cifar10-jpg/train \
         --hetero 1:slowdown=3

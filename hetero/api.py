@@ -64,7 +64,8 @@ class Balance:
         if rebalance_every < 0 or (lag is not None and lag < 0):
             raise ValueError("rebalance_every and lag must be >= 0")
         self.rank, self.world, _ = env_world()  # before init_process_group too (Lightning builds callbacks first)
-        self.scheme, self.global_batch, self.rebalance_every, self.lag = SCHEMES[scheme], global_batch, rebalance_every, lag
+        self.scheme, self.global_batch = SCHEMES[scheme], global_batch
+        self.rebalance_every, self.lag = rebalance_every, lag
         per_rank = list(max_batch) if isinstance(max_batch, (list, tuple)) else [max_batch] * self.world
         if len(per_rank) != self.world:
             raise ValueError(f"max_batch has {len(per_rank)} entries for {self.world} ranks")
@@ -85,14 +86,15 @@ class Balance:
         self._pos, self._step, self._clock, self._weight = 0, 0, None, 1.0 / self.world
         self._sizes = self.balancer.sizes
         self._started: int | None = None  # the epoch set_epoch last started
-        self._attached = False
+        self._attached = self._probed = False
         self._syncs = self._forwards = 0
         self._in_flight, self._all_issued, self._lock = 0, False, threading.Lock()
 
     # -- set-up ------------------------------------------------------------------------------------------------
     def probe(self, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device,
               autocast=None) -> list[float]:
-        """Collective, before DDP: ranks set to "probe" find their largest batch on their GPU; returns every rank's limit."""
+        """Collective, before DDP: ranks set to "probe" find their largest batch on their GPU (CPU ranks: no limit);
+        returns every rank's limit."""
         own = float("inf")
         if self.probes[self.rank]:
             own = probe_max_batch(model, sample_shape, classes, device, lo=self.balancer.min_batch,
@@ -105,12 +107,12 @@ class Balance:
         check_feasible(self.world, self.global_batch, b.min_batch, limits)
         b.max_batch, b._probe_sizes = limits, None
         b.sizes = batch_sizes(b.shares, self.global_batch, b.min_batch, limits)
-        self._regimes = [(FAR, copy.deepcopy(b))]
+        self._regimes, self._probed = [(FAR, copy.deepcopy(b))], True
         return limits
 
     def attach(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Install the weighting communication hook (with the clock and the emulated delay) on a DDP model."""
-        if any(self.probes) and self.balancer.max_batch is None:
+        if any(self.probes) and not self._probed:
             raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
         self._device = next(ddp.parameters()).device
         self._coll = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -178,7 +180,8 @@ class Balance:
         self._planned = {p: s for p, s in self._planned.items() if p > self._pos}
         step, self._step, self.global_step = self._step, self._step + 1, self.global_step + 1
         last = step == self.steps_per_epoch - 1
-        if self.scheme.rule == "static" or not (last or (self.rebalance_every and (step + 1) % self.rebalance_every == 0)):
+        due = last or (self.rebalance_every and (step + 1) % self.rebalance_every == 0)
+        if self.scheme.rule == "static" or not due:
             return None
         return self._decide(step)
 

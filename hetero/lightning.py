@@ -2,7 +2,8 @@
 
     bal = hetero.Balance(scheme="edp", global_batch=256, rebalance_every=10)
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)), num_workers=2)
-    L.Trainer(strategy="ddp", use_distributed_sampler=False, callbacks=[hetero.BalanceCallback(bal)]).fit(module, loader)
+    trainer = L.Trainer(strategy="ddp", use_distributed_sampler=False, callbacks=[hetero.BalanceCallback(bal)])
+    trainer.fit(module, loader)
 
 Why a callback and not DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...): Lightning 2.6 registers a comm hook
 only when the root device is CUDA (DDPStrategy._register_ddp_hooks), so on CPU ranks it would silently keep DDP's

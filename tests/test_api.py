@@ -278,3 +278,16 @@ def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     assert len(bal.decisions) == 8                   # steps 2, 5, 8 and the epoch's last (9), twice
     assert all(d.effective == d.epoch * 10 + d.step + 1 for d in bal.decisions)  # no prefetch: the next step
     assert bal.last_sizes == [24, 8]                 # 3x slower rank 1: a quarter
+
+
+def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=32, max_batch=["probe", 8])
+    with pytest.raises(ValueError, match="call bal.probe"):
+        bal.attach(torch.nn.Linear(2, 2))  # refused before anything touches the model
+    monkeypatch.setattr(hetero.api.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(hetero.api, "gather_rows", lambda row, device: torch.stack([row, torch.tensor([8.0])]))
+    limits = bal.probe(torch.nn.Linear(2, 2), (2,), 2, torch.device("cpu"))
+    assert limits == [float("inf"), 8]                     # a CPU rank is not probed; rank 1 keeps its 8
+    bal.batch_sampler(64)
+    bal.set_epoch(0)
+    assert bal.sizes_at(0, 0).tolist() == [24, 8]

@@ -1,0 +1,293 @@
+"""hetero in your own DDP loop: per-rank batch sizes balanced by measured speed, with the exact gradient.
+
+    bal = Balance(scheme="edp", global_batch=256, rebalance_every=20)
+    ddp = DDP(model); bal.attach(ddp)
+    loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds), seed=0), num_workers=2)
+    for epoch in range(epochs):
+        bal.set_epoch(epoch)
+        for x, y in loader:
+            with bal.step():
+                F.cross_entropy(ddp(x), y).backward(); opt.step(); opt.zero_grad()
+
+One object, the Balance, owns a step's gradient weight, clock and emulated delay; it is the state of the DDP
+communication hook. Decisions (every `rebalance_every` steps and at each epoch's end) take effect at a step that
+no rank's batch sampler has handed out yet, so DataLoader workers running ahead never see two partitions of one
+step (README, "Use it in your own loop").
+"""
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .balancer import Balancer
+from .dist import StepClock, env_world, gather_rows
+from .emulator import Emulator
+from .memory import probe_max_batch
+from .partition import SCHEMES, batch_sizes, check_feasible
+from .sampler import EpochPlan
+
+FAR = -(1 << 62)  # the start of the first regime: before any step
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One rebalancing decision, identical on every rank; sizes sum to the global batch."""
+    epoch: int           # made after this epoch's step `step`
+    step: int
+    effective: int       # first position (epoch * steps_per_epoch + step) cut with the new sizes
+    sizes: list[int]     # per-rank batch sizes from `effective` on
+    shares: list[float]  # the balancer's shares (sum to 1)
+    compute_s: list[float]  # per-rank mean compute seconds per step over the window decided on
+
+
+class Balance:
+    """Per-rank batch sizes, the b_i/B gradient weighting, the wait-free step clock and the rebalancing rule."""
+
+    def __init__(self, *, global_batch: int, scheme: str = "edp", rebalance_every: int = 0, smoothing: float = 0.0,
+                 deadband: float = 0.0, min_batch: int = 1, max_batch: int | str | Sequence | None = None,
+                 hetero: str = "", seed: int = 0, lag: int | None = None):
+        """scheme: sync, dp, edp or affine. max_batch: an int, "probe", or one entry (int, "probe", None) per rank.
+        hetero: the emulation grammar (emulator.py), e.g. "1:slowdown=3". lag: None takes the first step no rank's
+        sampler has handed out; an int fixes it (decision after step s -> effective at s + 1 + lag)."""
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
+        if min_batch < 1:
+            raise ValueError("min_batch must be at least 1 (a rank sitting a step out is only in the built-in trainer)")
+        if rebalance_every < 0 or (lag is not None and lag < 0):
+            raise ValueError("rebalance_every and lag must be >= 0")
+        self.rank, self.world, _ = env_world()  # before init_process_group too (Lightning builds callbacks first)
+        self.scheme, self.global_batch = SCHEMES[scheme], global_batch
+        self.rebalance_every, self.lag = rebalance_every, lag
+        per_rank = list(max_batch) if isinstance(max_batch, (list, tuple)) else [max_batch] * self.world
+        if len(per_rank) != self.world:
+            raise ValueError(f"max_batch has {len(per_rank)} entries for {self.world} ranks")
+        self.probes = [v == "probe" for v in per_rank]
+        limits = [float("inf") if v in (None, 0, "probe") else int(v) for v in per_rank]
+        check_feasible(self.world, global_batch, min_batch, limits)
+        self.balancer = Balancer(self.scheme.rule, self.world, global_batch, min_batch,
+                                 None if all(v == float("inf") for v in limits) else limits, smoothing, deadband)
+        self.emulator = Emulator(hetero, self.rank, seed)
+        self.seed, self.epoch, self.global_step = seed, 0, 0
+        self.steps_per_epoch = 0
+        self.decisions: list[Decision] = []
+        self._regimes: list[tuple[int, Balancer]] = [(FAR, copy.deepcopy(self.balancer))]
+        self._planned: dict[int, np.ndarray] = {}  # position -> every rank's sizes, fixed when handed out
+        self._handed = FAR   # next position this rank's sampler hands out
+        self._window: list[tuple[np.ndarray, StepClock]] = []  # (sizes, clock) of the steps since the last decision
+        self._device, self._coll = torch.device("cpu"), torch.device("cpu")
+        self._pos, self._step, self._clock, self._weight = 0, 0, None, 1.0 / self.world
+        self._sizes = self.balancer.sizes
+        self._started: int | None = None  # the epoch set_epoch last started
+        self._attached = self._probed = False
+        self._syncs = self._forwards = 0
+        self._in_flight, self._all_issued, self._lock = 0, False, threading.Lock()
+
+    # -- set-up ------------------------------------------------------------------------------------------------
+    def probe(self, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device,
+              autocast=None) -> list[float]:
+        """Collective, before DDP: ranks set to "probe" find their largest batch on their GPU (CPU ranks: no limit);
+        returns every rank's limit."""
+        own = float("inf")
+        if self.probes[self.rank]:
+            own = probe_max_batch(model, sample_shape, classes, device, lo=self.balancer.min_batch,
+                                  hi=self.global_batch, autocast=autocast)
+        coll = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        probed = gather_rows(torch.tensor([own]), coll).flatten().tolist()
+        b = self.balancer
+        old = b.max_batch if b.max_batch is not None else [float("inf")] * self.world
+        limits = [p if pr else o for p, pr, o in zip(probed, self.probes, old)]
+        check_feasible(self.world, self.global_batch, b.min_batch, limits)
+        b.max_batch, b._probe_sizes = limits, None
+        b.sizes = batch_sizes(b.shares, self.global_batch, b.min_batch, limits)
+        self._regimes, self._probed = [(FAR, copy.deepcopy(b))], True
+        return limits
+
+    def attach(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Install the weighting communication hook (with the clock and the emulated delay) on a DDP model."""
+        if any(self.probes) and not self._probed:
+            raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
+        self._device = next(ddp.parameters()).device
+        self._coll = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
+        ddp.register_comm_hook(self, balance_hook)
+        ddp.register_forward_pre_hook(self._count_forward)
+        self._attached = True
+
+    def _count_forward(self, module, args) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._forwards += 1
+
+    def batch_sampler(self, n_samples: int, seed: int | None = None) -> "BalancedBatchSampler":
+        """Per-step index lists for this rank: its slice of each step's window of one shared permutation."""
+        if self.global_batch > n_samples:
+            raise ValueError(f"global batch {self.global_batch} exceeds the {n_samples} samples")
+        self.steps_per_epoch = n_samples // self.global_batch
+        return BalancedBatchSampler(self, n_samples, self.seed if seed is None else seed)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Call before iterating the loader each epoch (the sampler's permutation and the emulator follow it)."""
+        if epoch != self._started:  # idempotent: the user and Lightning may both call it
+            self.epoch = self._started = epoch
+            self.emulator.start_epoch(epoch)
+            self._step = 0
+
+    # -- the schedule: batch sizes per position, fixed when a sampler hands the position out ----------------------
+    def sizes_at(self, epoch: int, step: int) -> np.ndarray:
+        """Every rank's batch size at this step (sum = global batch); the same on every rank, once handed out."""
+        pos = epoch * self.steps_per_epoch + step
+        if pos not in self._planned:
+            start, regime = next(r for r in reversed(self._regimes) if r[0] <= pos)
+            self._planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
+            self._handed = max(self._handed, pos + 1)
+        return self._planned[pos]
+
+    @property
+    def last_sizes(self) -> list[int]:
+        """Every rank's batch size at the latest step begun."""
+        return self._sizes.tolist()
+
+    # -- one step ----------------------------------------------------------------------------------------------
+    def begin_step(self, step: int | None = None) -> None:
+        """Start a step: this rank's gradient weight and a fresh clock (the clock marks `start` now)."""
+        if not self.steps_per_epoch:
+            raise RuntimeError("hetero: call bal.batch_sampler(len(dataset)) before the first step")
+        self._step = self._step if step is None else step
+        self._pos = self.epoch * self.steps_per_epoch + self._step
+        self._sizes = self.sizes_at(self.epoch, self._step)
+        b = int(self._sizes[self.rank])
+        self._weight = b / self.global_batch if self.scheme.weighted else 1.0 / self.world
+        self._syncs = self._forwards = 0
+        self._in_flight, self._all_issued = 0, False
+        self._clock = StepClock(self._device)
+        self._clock.mark("start")
+
+    def end_step(self) -> Decision | None:
+        """End a step (after the optimizer step); every K steps and at the epoch's end, decide (collective)."""
+        self._clock.mark("end")
+        clock, self._clock = self._clock, None
+        if self._attached and (self._syncs != 1 or self._forwards > 1):
+            raise RuntimeError(f"hetero: a step ran {self._forwards} forward(s) and {self._syncs} gradient "
+                               "all-reduce(s); it needs one of each: gradient accumulation (no_sync) is not "
+                               "supported, raise global_batch instead (max_batch bounds each rank's batch)")
+        self._window.append((self._sizes, clock))
+        self._planned = {p: s for p, s in self._planned.items() if p > self._pos}
+        step, self._step, self.global_step = self._step, self._step + 1, self.global_step + 1
+        last = step == self.steps_per_epoch - 1
+        due = last or (self.rebalance_every and (step + 1) % self.rebalance_every == 0)
+        if self.scheme.rule == "static" or not due:
+            return None
+        return self._decide(step)
+
+    @contextmanager
+    def step(self, batch_size: int | None = None) -> Iterator[None]:
+        """Wrap forward, backward and optimizer step; batch_size (optional) is checked against the schedule."""
+        self.begin_step()
+        if batch_size is not None and batch_size != self._sizes[self.rank]:
+            raise RuntimeError(f"hetero: step {self._step} got {batch_size} samples, the schedule says "
+                               f"{self._sizes[self.rank]}: is the loader this Balance's sampler?")
+        yield
+        self.end_step()
+
+    def _decide(self, step: int) -> Decision:
+        """The one decision path: gather every rank's compute times and sampler position, run the pure balancer."""
+        sizes = np.stack([s for s, _ in self._window])
+        own = [c.read()[0] for _, c in self._window]
+        rows = gather_rows(torch.tensor([*own, float(self._handed)], dtype=torch.float64), self._coll).numpy()
+        compute, ahead = rows[:, :-1].T, int(rows[:, -1].max())  # [steps, world], furthest sampler
+        self._window.clear()
+        effective = self._pos + 1 + (self.lag or 0)
+        if self.lag is None:
+            effective = max(effective, ahead)
+        elif ahead > effective:  # gathered, so every rank raises alike instead of cutting a step two ways
+            raise RuntimeError(f"hetero: a batch sampler ran {ahead - self._pos - 1} steps ahead of training, beyond "
+                               f"lag={self.lag}: set lag >= num_workers x prefetch_factor (+1 for Lightning), or None")
+        self.balancer.observe(sizes, compute)
+        self.balancer.decide()
+        self._regimes = [r for i, r in enumerate(self._regimes)
+                         if i + 1 == len(self._regimes) or self._regimes[i + 1][0] > self._pos]
+        self._regimes.append((effective, copy.deepcopy(self.balancer)))
+        d = Decision(self.epoch, step, effective, self.balancer.sizes.tolist(), self.balancer.shares.tolist(),
+                     compute.mean(0).tolist())
+        self.decisions.append(d)
+        return d
+
+    def _on_ready(self) -> None:
+        """Last bucket handed over: local gradients are complete. An emulated slow rank spends its delay here."""
+        if self._clock is None:
+            raise RuntimeError("hetero: a backward ran outside `with bal.step()` (or begin_step/end_step)")
+        self._syncs += 1
+        if self.emulator.effects:
+            own = self._clock.host_elapsed_s() if self.emulator.needs_compute_time else 0.0
+            delay = self.emulator.delay_s(self.epoch, self.global_step, own)
+            if delay > 0:
+                if self._device.type == "cuda":  # let queued compute finish first, so the sleep adds to it
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    ev.synchronize()
+                time.sleep(delay)
+        self._clock.mark("ready")
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Plain lists and numbers (loadable with torch.load(weights_only=True)); save at an epoch's end."""
+        return {"balancer": self.balancer.state_dict(), "epoch": self.epoch, "global_step": self.global_step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.balancer.load_state_dict(state["balancer"])
+        self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
+        self._regimes, self._planned, self._handed = [(FAR, copy.deepcopy(self.balancer))], {}, FAR
+        self._started = None
+
+
+def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Sum over ranks of weight_i * g_i (b_i/B: the global-batch gradient; 1/world: DDP's mean). Linear, so a
+    GradScaler's scale passes through and clipping or unscaling after the all-reduce see the exact gradient."""
+    if bucket.is_last():
+        state._on_ready()
+    buf = bucket.buffer()
+    buf.mul_(state._weight)
+    with state._lock:
+        state._in_flight += 1
+        state._all_issued = bucket.is_last()
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    clock = state._clock
+
+    def done(f):
+        with state._lock:  # gloo may finish buckets out of order: the wait ends with the last one back
+            state._in_flight -= 1
+            if state._in_flight == 0 and state._all_issued:
+                clock.mark("returned")
+        return f.value()[0]
+    return fut.then(done)
+
+
+# DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings
+balance_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
+
+
+class BalancedBatchSampler(torch.utils.data.Sampler):
+    """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan)."""
+
+    def __init__(self, balance: Balance, n_samples: int, seed: int):
+        self.balance, self.n_samples, self.seed = balance, n_samples, seed
+
+    def __len__(self) -> int:
+        return self.balance.steps_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
+        self.balance.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        bal, epoch = self.balance, self.balance.epoch
+        if epoch * bal.steps_per_epoch < bal._handed:
+            raise RuntimeError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
+        plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
+        for step in range(plan.steps):
+            yield plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()

@@ -1,0 +1,293 @@
+"""The public API (hetero.Balance): the batch sampler's cut, the decision schedule under DataLoader workers, the
+exact EDP gradient (also with GradScaler and clipping), refusals, and checkpoints. Two-rank cases run as two gloo
+processes started by torch.multiprocessing.spawn."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import hetero
+from hetero.sampler import EpochPlan
+
+
+def _balance(monkeypatch, rank: int, world: int = 2, **kw) -> hetero.Balance:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    return hetero.Balance(**kw)
+
+
+# -- one process: the sampler's cut ----------------------------------------------------------------------------
+@pytest.mark.parametrize("n, B, limits", [(100, 32, [5, None]), (97, 10, [None, 3]), (64, 64, None)])
+def test_sampler_slices_are_disjoint_complete_and_equal_in_steps(monkeypatch, n, B, limits):
+    per_rank = []
+    for r in range(2):
+        bal = _balance(monkeypatch, r, global_batch=B, max_batch=limits)
+        sampler = bal.batch_sampler(n, seed=4)
+        bal.set_epoch(3)
+        per_rank.append(list(sampler))
+    assert len(per_rank[0]) == len(per_rank[1]) == n // B                    # equal steps on every rank
+    for s, (a, b) in enumerate(zip(*per_rank)):
+        assert len(a) + len(b) == B and not set(a) & set(b)                  # the step's window, split
+        assert sorted(a + b) == sorted(EpochPlan(n, B, 4, 3).perm[s * B:(s + 1) * B].tolist())
+    seen = [i for rank in per_rank for batch in rank for i in batch]
+    assert len(seen) == len(set(seen)) == (n // B) * B                      # each sample at most once
+    if limits == [5, None]:
+        assert [len(b) for b in per_rank[0]] == [5] * (n // B)               # the bound holds
+
+
+def test_sampler_refuses_an_epoch_handed_out_twice(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=8)
+    sampler = bal.batch_sampler(32)
+    bal.set_epoch(0)
+    list(sampler)
+    with pytest.raises(RuntimeError, match="set_epoch"):
+        list(sampler)
+    bal.set_epoch(1)
+    assert len(list(sampler)) == 4
+
+
+@pytest.mark.parametrize("kw, match", [({"scheme": "fast"}, "unknown scheme"), ({"max_batch": [3, 3]}, "exceeds"),
+                                       ({"min_batch": 0}, "min_batch"), ({"max_batch": [1, 2, 3]}, "entries"),
+                                       ({"hetero": "1:slow=3"}, "EFFECT"), ({"lag": -1}, "lag")])
+def test_bad_settings_raise_one_clear_error(monkeypatch, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _balance(monkeypatch, 0, global_batch=16, **kw)
+
+
+def test_state_dict_loads_with_weights_only(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme="affine")
+    bal.balancer.shares, bal.balancer.sizes = np.array([0.75, 0.25]), np.array([24, 8])
+    bal.global_step, bal.epoch, bal.balancer.decisions = 17, 2, 3  # past its probing steps
+    buf = io.BytesIO()
+    torch.save(bal.state_dict(), buf)
+    buf.seek(0)
+    other = _balance(monkeypatch, 1, global_batch=32, scheme="affine")
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    other.batch_sampler(64)
+    other.set_epoch(2)
+    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.global_step == 17
+
+
+# -- two processes ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(fn, tmp_path, *args) -> list[dict]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    mp.spawn(fn, args=(str(tmp_path), *args), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _join(rank: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+
+class Indexed(Dataset):
+    def __init__(self, n: int):
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], i % 3, i
+
+
+def _schedule_worker(rank: int, out: str) -> None:
+    _join(rank)
+    results = [_two_epochs(None), _two_epochs(1)]
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def _two_epochs(lag: int | None, workers: int = 2) -> dict:
+    """Two epochs with 2 DataLoader workers, rank 1 delayed 0.1 s per step, decisions every 2 steps."""
+    result = {"error": ""}
+    try:
+        bal = hetero.Balance(scheme="dp", global_batch=24, rebalance_every=2, hetero="1:delay=0.1", lag=lag)
+        ddp = DDP(torch.nn.Linear(8, 3))
+        bal.attach(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        loader = DataLoader(Indexed(240), batch_sampler=bal.batch_sampler(240, seed=1), num_workers=workers,
+                            persistent_workers=workers > 0)
+        seen, sizes = {}, {}
+        for epoch in range(2):
+            bal.set_epoch(epoch)
+            seen[epoch] = []
+            for step, (x, y, idx) in enumerate(loader):
+                with bal.step(batch_size=len(y)):  # the loader's batch is the scheduled size, on every rank
+                    F.cross_entropy(ddp(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                seen[epoch] += idx.tolist()
+                sizes[epoch * 10 + step] = bal.last_sizes
+        result.update(seen=seen, sizes=sizes, decisions=[d.__dict__ for d in bal.decisions])
+    except RuntimeError as e:
+        result["error"] = str(e)
+    return result
+
+
+@pytest.fixture(scope="module")
+def schedule_runs(tmp_path_factory) -> list[list[dict]]:
+    """[rank][run]: run 0 with the default lag, run 1 with lag=1 (shorter than the workers' prefetch)."""
+    return _spawn(_schedule_worker, tmp_path_factory.mktemp("schedule"))
+
+
+def test_decisions_reach_every_rank_at_the_same_step_with_loader_workers(schedule_runs):
+    r = [rank[0] for rank in schedule_runs]
+    assert not r[0]["error"] and not r[1]["error"]
+    assert r[0]["sizes"] == r[1]["sizes"]                       # every step cut alike on both ranks
+    for epoch in ("0", "1"):
+        seen = r[0]["seen"][epoch] + r[1]["seen"][epoch]
+        assert sorted(seen) == list(range(240))                  # every sample exactly once per epoch
+    d = r[0]["decisions"]
+    assert d == r[1]["decisions"] and len(d) == 10
+    # workers run ahead: a decision after step s is cut from a later step than s + 1, never an earlier one
+    assert all(x["effective"] >= x["epoch"] * 10 + x["step"] + 1 for x in d)
+    assert d[0]["effective"] > 2
+    first_change = d[0]["effective"]
+    assert r[0]["sizes"][str(first_change - 1)] == [12, 12] and r[0]["sizes"][str(first_change)] != [12, 12]
+    assert r[0]["sizes"]["19"][0] > 18                          # the fast rank took most of the work
+
+
+def test_a_fixed_lag_shorter_than_the_prefetch_stops_every_rank(schedule_runs):
+    r = [rank[1] for rank in schedule_runs]
+    assert "ahead of training, beyond lag=1" in r[0]["error"] and r[0]["error"] == r[1]["error"]
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(5)  # no batch norm: every sample's gradient is independent of the others
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+DATA = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)),
+                     torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2)))
+
+
+def _exact_worker(rank: int, out: str) -> None:
+    """One step of each variant with batch sizes 5 and 27 (rank 0 bounded to 5)."""
+    _join(rank)
+    result = {}
+    for name in ("edp", "sync", "scaler_clip"):
+        bal = hetero.Balance(scheme="sync" if name == "sync" else "edp", global_batch=32, max_batch=[5, None])
+        model = _net()
+        ddp = DDP(model)
+        bal.attach(ddp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=name == "scaler_clip")
+        loader = DataLoader(DATA, batch_sampler=bal.batch_sampler(len(DATA), seed=3))
+        bal.set_epoch(0)
+        x, y = next(iter(loader))
+        with bal.step():
+            scaler.scale(F.cross_entropy(ddp(x), y)).backward()
+            if name == "scaler_clip":
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+        result[name] = [p.detach().flatten().tolist() for p in model.parameters()]
+        result["sizes"] = bal.last_sizes
+    # gradient accumulation (two forwards, one under no_sync) is refused on every rank
+    bal = hetero.Balance(global_batch=32)
+    ddp = DDP(_net())
+    bal.attach(ddp)
+    bal.batch_sampler(len(DATA))
+    bal.set_epoch(0)
+    try:
+        with bal.step():
+            with ddp.no_sync():
+                F.cross_entropy(ddp(DATA.tensors[0][:8]), DATA.tensors[1][:8]).backward()
+            F.cross_entropy(ddp(DATA.tensors[0][8:16]), DATA.tensors[1][8:16]).backward()
+        result["accumulation"] = ""
+    except RuntimeError as e:
+        result["accumulation"] = str(e)
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _reference(weighted: bool, clip: float | None = None) -> list[torch.Tensor]:
+    """Single-process SGD on the global batch (weighted) or the equal-weight mean of the two ranks' means."""
+    window = EpochPlan(64, 32, 3, 0).perm[:32]
+    x, y = DATA.tensors[0][window], DATA.tensors[1][window]
+    model = _net()
+    if weighted:
+        F.cross_entropy(model(x), y).backward()
+    else:
+        (0.5 * F.cross_entropy(model(x[:5]), y[:5]) + 0.5 * F.cross_entropy(model(x[5:]), y[5:])).backward()
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.5 * p.grad
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+def _diff(got: list, want: list[torch.Tensor]) -> float:
+    return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
+
+
+def test_edp_step_equals_single_process_sgd_and_scaler_and_clipping_keep_it(tmp_path):
+    r = _spawn(_exact_worker, tmp_path)
+    assert r[0]["sizes"] == [5, 27]
+    exact, mean = _reference(weighted=True), _reference(weighted=False)
+    assert _diff([p.tolist() for p in exact], mean) > 1e-3      # the test tells the two apart
+    for rank in r:
+        assert _diff(rank["edp"], exact) < 1e-5
+        assert _diff(rank["sync"], mean) < 1e-5
+        assert _diff(rank["scaler_clip"], _reference(weighted=True, clip=0.05)) < 1e-5
+        assert "gradient accumulation (no_sync) is not supported" in rank["accumulation"]
+
+
+@pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])
+def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
+    """One process plays rank 0 of two; the gather is faked with injected times (rank 1 3x slower per sample)."""
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme=scheme, rebalance_every=3, smoothing=0.2)
+    sampler = bal.batch_sampler(320)
+
+    def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
+        sizes = torch.tensor(np.stack([s for s, _ in bal._window]), dtype=torch.float64)
+        handed = row[-1:]
+        return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
+    monkeypatch.setattr(hetero.api, "gather_rows", fake_gather)
+    for epoch in range(2):
+        bal.set_epoch(epoch)
+        for batch in sampler:
+            with bal.step(batch_size=len(batch)):
+                pass
+    if scheme == "sync":
+        assert bal.decisions == [] and bal.last_sizes == [16, 16]
+        return
+    assert len(bal.decisions) == 8                   # steps 2, 5, 8 and the epoch's last (9), twice
+    assert all(d.effective == d.epoch * 10 + d.step + 1 for d in bal.decisions)  # no prefetch: the next step
+    assert bal.last_sizes == [24, 8]                 # 3x slower rank 1: a quarter
+
+
+def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=32, max_batch=["probe", 8])
+    with pytest.raises(ValueError, match="call bal.probe"):
+        bal.attach(torch.nn.Linear(2, 2))  # refused before anything touches the model
+    monkeypatch.setattr(hetero.api.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(hetero.api, "gather_rows", lambda row, device: torch.stack([row, torch.tensor([8.0])]))
+    limits = bal.probe(torch.nn.Linear(2, 2), (2,), 2, torch.device("cpu"))
+    assert limits == [float("inf"), 8]                     # a CPU rank is not probed; rank 1 keeps its 8
+    bal.batch_sampler(64)
+    bal.set_epoch(0)
+    assert bal.sizes_at(0, 0).tolist() == [24, 8]

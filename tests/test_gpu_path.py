@@ -212,7 +212,8 @@ class FailsAbove(nn.Module):
     def __init__(self, limit: int, message: str, where: str):
         super().__init__()
         self.limit, self.message, self.where = limit, message, where
-        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(4, 10))
 
     def forward(self, x):
         out = self.body(x)

@@ -62,8 +62,8 @@ def is_alloc_failure(e: BaseException) -> bool:
 def recover(device: torch.device) -> None:
     """After an allocation failure: free what the failed trial held and check the device still computes (a
     RuntimeError if not: the CUDA context is broken, and the probe must not go on as if the batch were too big)."""
-    gc.collect()
     if device.type == "cuda":
+        gc.collect()  # reference cycles through the failed trial's frames still hold its tensors
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     if torch.ones(8, device=device).add_(1).sum().item() != 16:

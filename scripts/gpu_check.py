@@ -86,7 +86,7 @@ class Sizes:
 GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680, 3, "1:slowdown=3", 1000,
             "cuda,cpu,cpu", "0,4,2", "auto", 10240, 4, "vgg16", 1 << 17, 45, "resnet50", 5120, 2, "1:delay=0.02", 270)
 SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64,
-              "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 30, "tiny", 256, 2, "1:delay=0.02", 200)
+              "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 30, "tiny", 256, 1, "1:delay=0.02", 280)
 SKIPPED = "skipped: "  # an error text starting so is a part the time did not allow, not a failure
 
 
@@ -454,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                 "fast": lambda: throughput(s, work, left, fast=True)}
     for part in PARTS:
         if part in parts:
+            t_part = time.perf_counter()
             res[part] = run_part[part]()
+            res["meta"].setdefault("part_s", {})[part] = round(time.perf_counter() - t_part, 1)
             save()
     print(markdown(res), end="")
     found = res.get("throughput", []) + res.get("fast", []) + [res[k] for k in ("probe", "delay") if k in res]

@@ -128,6 +128,23 @@ def test_device_wait_only_on_delayed_steps():
     assert delay.tolist() == [0, 0.01, 0.01, 0] and [c.device_waits for c in clocks] == [0, 1, 1, 0]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (the fake stream above stands in on the CPU)")
+def test_delay_on_a_real_gpu_comes_after_the_queued_kernels():
+    dev, waited = torch.device("cuda"), []
+    a = torch.randn(4096, 4096, device=dev)
+
+    class Clock(StepClock):
+        def wait_device(self):
+            waited.append(super().wait_device())
+            return waited[-1]
+
+    compute, delay, clocks = run_steps("1:delay=0.02", 3, lambda: Clock(dev), lambda: [a @ a for _ in range(20)])
+    assert len(waited) == 3 and all(ev.query() for ev in waited)
+    for c, d, clock, ev in zip(compute, delay, clocks, waited):
+        queued_s = clock.marks["start"].elapsed_time(ev) / 1e3  # the kernels the host waited for
+        assert queued_s > 0 and c >= queued_s + d - 1e-4  # the delay came after them (timer resolution aside)
+
+
 def test_delayed_rank_records_its_delay_as_compute_in_a_real_run(tmp_path):
     run = tmp_path / "run"
     run_train([*TINY, "--epochs", "1", "--scheme", "sync", "--threads", "1", "--hetero", "1:exp=0.03",

@@ -86,7 +86,7 @@ class Sizes:
 GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680, 3, "1:slowdown=3", 1000,
             "cuda,cpu,cpu", "0,4,2", "auto", 10240, 4, "vgg16", 1 << 17, 45, "resnet50", 5120, 2, "1:delay=0.02", 270)
 SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64,
-              "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 30, "tiny", 256, 1, "1:delay=0.02", 280)
+              "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 30, "tiny", 256, 1, "1:delay=0.02", 600)
 SKIPPED = "skipped: "  # an error text starting so is a part the time did not allow, not a failure
 
 

@@ -51,7 +51,7 @@ def test_bench_quickest(tmp_path):
 def test_gpu_check_smoke(tmp_path):
     out = tmp_path / "gpu" / "check.json"
     _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--out", str(out),
-          "--work-dir", str(tmp_path / "work")], timeout=900)  # a hang guard: the smoke may take minutes on a loaded machine
+          "--work-dir", str(tmp_path / "work")], timeout=900)  # a hang guard (slow when loaded)
     res = json.loads(out.read_text())
     assert out.with_suffix(".md").read_text().startswith("# GPU check")
     for part in ("throughput", "fast"):  # float32, then bf16 autocast + channels-last

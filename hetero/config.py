@@ -120,7 +120,7 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} {getattr(self, name)!r} lists {n} ranks; give one value or "
                                   f"{world} (the world size)")
         devices = [self.for_rank("device", r, world) for r in range(world)]
-        if self.backend == "nccl" and not all(d.startswith("cuda") for d in devices):
+        if self.backend == "nccl" and not all(d.startswith("cuda") or d == "auto" for d in devices):  # auto: setup
             raise ConfigError(f"--backend nccl needs every rank on a GPU (devices {','.join(devices)}); mixed "
                               f"CPU/GPU jobs use gloo (--backend auto picks it)")
         try:

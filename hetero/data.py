@@ -153,12 +153,14 @@ def load_data(name: str, data_dir: str, subset: int = 0, test_subset: int = 0) -
 
 class DeviceLoader:
     """Turns index batches into normalised float batches on `device`, augmenting there (crop with 4-pixel
-    zero padding and horizontal flip, as torchvision's RandomCrop(32, 4) + RandomHorizontalFlip)."""
+    zero padding and horizontal flip, as torchvision's RandomCrop(32, 4) + RandomHorizontalFlip). Batches come
+    in `memory_format` (the model's) without a per-step conversion: the held set is stored in it, and the
+    augmenting gather writes it directly."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, mean, std, device: torch.device,
-                 augment: bool, pad: int = 4):
-        self.x, self.y = x.to(device), y.to(device)
-        self.device, self.augment, self.pad = device, augment, pad
+                 augment: bool, pad: int = 4, memory_format: torch.memory_format = torch.contiguous_format):
+        self.x, self.y = x.to(device).contiguous(memory_format=memory_format), y.to(device)
+        self.device, self.augment, self.pad, self.memory_format = device, augment, pad, memory_format
         self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1) * 255
         self.std = torch.tensor(std, device=device).view(1, -1, 1, 1) * 255
         self.gen = torch.Generator(device=device)
@@ -177,7 +179,9 @@ class DeviceLoader:
         return (x.float() - self.mean) / self.std, y
 
     def _crop_flip(self, x: torch.Tensor) -> torch.Tensor:
-        n, _, h, w = x.shape
+        """Random crops and flips of a uint8 batch in one gather, whose output is already in self.memory_format
+        (the index shapes decide the layout: [n, h, w, c] memory for channels-last, [n, c, h, w] otherwise)."""
+        n, c, h, w = x.shape
         p = self.pad
         xp = torch.nn.functional.pad(x, (p, p, p, p))
         dy = torch.randint(0, 2 * p + 1, (n, 1), device=self.device, generator=self.gen)
@@ -186,5 +190,9 @@ class DeviceLoader:
         rows = dy + torch.arange(h, device=self.device)
         cols = torch.arange(w, device=self.device).expand(n, w)
         cols = torch.where(flip, w - 1 - cols, cols) + dx
-        out = xp[torch.arange(n, device=self.device)[:, None, None], :, rows[:, :, None], cols[:, None, :]]
-        return out.permute(0, 3, 1, 2).contiguous()  # advanced indexing put channels last
+        batch = torch.arange(n, device=self.device)
+        if self.memory_format == torch.channels_last:  # advanced indexing puts the channels (the slice) last
+            return xp[batch[:, None, None], :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+        chans = torch.arange(c, device=self.device)
+        return xp[batch[:, None, None, None], chans[None, :, None, None], rows[:, None, :, None],
+                  cols[:, None, None, :]]

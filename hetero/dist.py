@@ -1,6 +1,7 @@
 """Distributed plumbing: process group from torchrun's environment, devices, the gradient-weighting DDP
 communication hook with its timing mark, and small gather helpers. The training loop lives in train.py."""
 import inspect
+import json
 import os
 import socket
 import time
@@ -12,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from .config import ConfigError
+
 
 @dataclass(frozen=True)
 class World:
@@ -20,6 +23,7 @@ class World:
     local_rank: int    # only picks a device
     device: torch.device
     backend: str
+    gpu: str = ""      # the physical GPU's identity (gpu_identity); "" on a CPU rank
 
     @property
     def is_main(self) -> bool:
@@ -41,7 +45,8 @@ def resolve_device(device: str) -> str:
 
 
 def pick_device(device: str, local_rank: int) -> torch.device:
-    """cpu, cuda (the local rank's GPU, modulo the GPUs present) or cuda:K."""
+    """cpu, cuda (the local rank's GPU, modulo the GPUs present: more local ranks than GPUs share them, which
+    setup's backend choice then sees) or cuda:K."""
     device = resolve_device(device)
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -74,23 +79,96 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpu_identity(props, index: int) -> str:
+    """One physical GPU's identity, the same in every process that sees it (whatever its cuda:K number there):
+    its UUID, else its PCI address, else its name and index (which may call two same-model GPUs one)."""
+    if uuid := str(getattr(props, "uuid", "") or ""):
+        return f"uuid {uuid}"
+    if getattr(props, "pci_bus_id", None) is not None:
+        return f"pci {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}"
+    return f"{props.name} #{index}"
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one rank runs, as it published it before the process group starts."""
+    host: str
+    device: str   # resolved: "cpu" or "cuda:K"
+    gpu: str      # gpu_identity of its GPU; "" on the CPU
+    gpus: int     # GPUs this rank's host shows it
+
+
+def shared_gpu_groups(places: list[Place]) -> list[list[int]]:
+    """Groups of two or more ranks on one physical GPU (same host and identity), in rank order."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r, p in enumerate(places):
+        if p.gpu:
+            groups.setdefault((p.host, p.gpu), []).append(r)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def choose_backend(places: list[Place], backend: str) -> tuple[str, str]:
+    """(backend, a line to print or "") from every rank's place, so every rank decides alike. auto: nccl when every
+    rank has a GPU of its own, else gloo (said in one line when it is because ranks share a GPU). nccl that
+    cannot work raises ValueError with one line: NCCL refuses a CPU rank and two ranks on one GPU."""
+    shared = shared_gpu_groups(places)
+    on_gpu = all(p.device.startswith("cuda") for p in places)
+    why = ""
+    if shared:
+        g = shared[0]
+        why = (f"ranks {', '.join(map(str, g))} share one GPU ({places[g[0]].device} on {places[g[0]].host}, "
+               f"{places[g[0]].gpus} GPU(s) there)")
+    if backend == "nccl":
+        if not on_gpu:
+            cpu = [r for r, p in enumerate(places) if not p.device.startswith("cuda")]
+            raise ValueError(f"--backend nccl needs every rank on a GPU; rank {cpu[0]} is on the CPU "
+                             f"(use --backend gloo or auto)")
+        if shared:
+            raise ValueError(f"--backend nccl: {why}, which NCCL refuses; use --backend gloo (or auto), or one "
+                             f"rank per GPU")
+        return "nccl", ""
+    if backend == "auto":
+        if not on_gpu:
+            return "gloo", ""
+        if shared:
+            return "gloo", f"hetero: {why}: using gloo (NCCL refuses two ranks on one GPU)"
+        return "nccl", ""
+    return backend, ""
+
+
+def exchange_places(store: dist.Store, rank: int, world: int, own: Place) -> list[Place]:
+    """Every rank's Place, through torchrun's store (before the process group exists)."""
+    store.set(f"place/{rank}", json.dumps(own.__dict__))
+    return [Place(**json.loads(store.get(f"place/{r}"))) for r in range(world)]  # get waits for the key
+
+
 def setup(devices: list[str], backend: str, timeout_s: float) -> World:
-    """Join (or, outside torchrun, create a one-rank) process group. devices: every global rank's device, so all
-    ranks agree on the backend: nccl when every rank has a GPU, gloo otherwise (CPU and mixed jobs)."""
+    """Join (or, outside torchrun, create a one-rank) process group. devices: every global rank's device setting.
+    Before the group starts, each rank publishes where it runs (host, resolved device, GPU identity) on the
+    rendezvous store and reads everyone's, so all ranks choose the backend from the same facts (also when
+    `auto` resolves differently on different hosts). Raises ConfigError for an impossible --backend nccl."""
     rank, world, local_rank = env_world()
     if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     dev = pick_device(devices[rank], local_rank)
-    if backend == "auto":
-        backend = "nccl" if all(resolve_device(d).startswith("cuda") for d in devices) else "gloo"
     timeout = timedelta(seconds=timeout_s)
     # torchrun keeps its store across restarts: keys of the previous attempt (a dead rank's address) would be read
     # by the new one and its connections refused. Each attempt gets a key space of its own.
     store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     store = dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    cuda = dev.type == "cuda"
+    own = Place(socket.gethostname(), str(dev), gpu_identity(torch.cuda.get_device_properties(dev), dev.index)
+                if cuda else "", torch.cuda.device_count() if cuda else 0)
+    places = exchange_places(store, rank, world, own)
+    try:
+        backend, note = choose_backend(places, backend)
+    except ValueError as e:  # every rank raises alike: one line (rank 0's), exit 2
+        raise ConfigError(str(e)) from None
+    if note and rank == 0:
+        print(note, flush=True)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=dev if backend == "nccl" else None)
-    return World(rank, world, local_rank, dev, backend)
+    return World(rank, world, local_rank, dev, backend, own.gpu)
 
 
 def wrap_ddp(model: torch.nn.Module, device: torch.device) -> DDP:
@@ -113,33 +191,42 @@ class StepClock:
     """Marks inside one training step: start, gradients ready (local compute done), backward returned, end.
 
     compute_s = (ready - start) + (end - returned): the rank's own work; wait_s = returned - ready: the last
-    all-reduce, including waiting for slower ranks. On CUDA the marks are events, read when the step is over.
+    all-reduce, including waiting for slower ranks. On CUDA the marks are events on the current (compute) stream,
+    read when the step is over. `event` makes such events (torch.cuda.Event; a test passes a fake to take the
+    CUDA path on the CPU).
     """
 
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, event: Callable[[], object] | None = None):
+        self.cuda = device.type == "cuda" or event is not None
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.marks: dict[str, float | torch.cuda.Event] = {}
+        self.device_waits = 0  # wait_device calls: the host waited for this rank's queued GPU work
+
+    def _record(self):
+        ev = self._event()
+        ev.record()  # on the current stream: this rank's compute, not NCCL's streams
+        return ev
 
     def mark(self, name: str) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks[name] = ev
-        else:
-            self.marks[name] = time.perf_counter()
+        self.marks[name] = self._record() if self.cuda else time.perf_counter()
 
-    def host_elapsed_s(self) -> float:
-        """Host seconds since `start` (exact on CPU; on CUDA after synchronising, for the slowdown emulation)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            return self.marks["start"].elapsed_time(self._now()) / 1e3
-        return time.perf_counter() - self.marks["start"]
-
-    def _now(self) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
+    def wait_device(self):
+        """Block the host until the GPU work queued so far on the compute stream is done; returns that event (None
+        on the CPU). Not torch.cuda.synchronize(): that also waits for every other stream, NCCL's included."""
+        self.device_waits += 1
+        if not self.cuda:
+            return None
+        ev = self._record()
         ev.synchronize()
         return ev
+
+    def host_elapsed_s(self) -> float:
+        """Seconds of this rank's compute since `start` (CPU: host time; CUDA: start to an event on the compute
+        stream, after waiting for it, so the host is also caught up with its GPU work)."""
+        if self.cuda:
+            return self.marks["start"].elapsed_time(self.wait_device()) / 1e3
+        self.wait_device()
+        return time.perf_counter() - self.marks["start"]
 
     def read(self) -> tuple[float, float]:
         """(compute_s, wait_s) of the finished step."""

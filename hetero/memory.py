@@ -7,7 +7,9 @@ limit: host memory does not fail cleanly (the kernel's OOM killer or swap, not a
 """
 from __future__ import annotations
 
+import gc
 import math
+import time
 from typing import Callable
 
 import torch
@@ -41,46 +43,82 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int) -> int:
     return good
 
 
-def shared_gpus(places: list[tuple[str, str]], probing: list[bool]) -> list[list[int]]:
-    """Groups of ranks (at least one of them probing) that share a GPU: places[r] = (host, device) of rank r.
-    The probe measures one rank alone on its device, so it cannot speak for ranks that will train side by side."""
+# Messages of a GPU allocation failure that does not arrive as torch.cuda.OutOfMemoryError: near the memory limit
+# cuDNN and cuBLAS fail to get their workspace and say so in a plain RuntimeError, from forward or backward
+# (PyTorch issue 108645: "GET was unable to find an engine to execute this computation" out of backward()).
+# Not CUDNN_STATUS_NOT_SUPPORTED or _INTERNAL_ERROR: those also mean real faults, which must not pass as "too big".
+ALLOC_FAILURES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED",
+                  "unable to find an engine", "Unable to find a valid cuDNN algorithm")
+
+
+def is_alloc_failure(e: BaseException) -> bool:
+    """Whether an error from a training step means "this batch does not fit" (see ALLOC_FAILURES)."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return True
+    text = str(e).lower()
+    return isinstance(e, RuntimeError) and any(m.lower() in text for m in ALLOC_FAILURES)
+
+
+def recover(device: torch.device) -> None:
+    """After an allocation failure: free what the failed trial held and check the device still computes (a
+    RuntimeError if not: the CUDA context is broken, and the probe must not go on as if the batch were too big)."""
+    if device.type == "cuda":
+        gc.collect()  # reference cycles through the failed trial's frames still hold its tensors
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    if torch.ones(8, device=device).add_(1).sum().item() != 16:
+        raise RuntimeError(f"{device} computes wrongly after an out-of-memory failure")
+
+
+def shared_gpus(places: list[tuple[str, str, str]], probing: list[bool]) -> list[list[int]]:
+    """Groups of ranks (at least one of them probing) that share a GPU: places[r] = (host, device, gpu identity) of
+    rank r (dist.gpu_identity; "" on a CPU rank): the physical GPU, not the "cuda:K" name, which with one GPU
+    visible per rank is cuda:0 everywhere. The probe measures one rank alone on its device, so it cannot speak for
+    ranks that will train side by side."""
     groups: dict[tuple[str, str], list[int]] = {}
-    for r, (host, dev) in enumerate(places):
-        if dev.startswith("cuda"):
-            groups.setdefault((host, dev), []).append(r)
+    for r, (host, _, gpu) in enumerate(places):
+        if gpu:
+            groups.setdefault((host, gpu), []).append(r)
     return [g for g in groups.values() if len(g) > 1 and any(probing[r] for r in g)]
 
 
 def probe_max_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device, *,
                     lo: int, hi: int, autocast=None, memory_format=torch.contiguous_format,
-                    headroom: float = HEADROOM) -> float:
+                    headroom: float = HEADROOM, limit_s: float | None = None) -> float:
     """The largest training batch that fits on this GPU rank, times headroom, within [lo, hi]; inf on a CPU rank.
 
     Call before wrapping the model in DDP. A trial is forward, loss and backward of the bare model on a batch of zeros,
     as the trainer's step (same autocast and memory format), while a reserve holds what training adds to it: SGD's
     momentum buffers and DDP's gradient buckets (each the size of the trainable parameters). Batch-norm running
     statistics, gradients and the random state are restored afterwards: the probe leaves the run as it found it.
-    Raises RuntimeError when not even lo samples fit.
+    A trial that fails to allocate (is_alloc_failure) means "does not fit"; any other error propagates. Raises
+    RuntimeError when not even lo samples fit, TimeoutError when the search runs past limit_s seconds (checked
+    between trials).
     """
     if device.type != "cuda":
         return float("inf")
     return fitting_batch(model, sample_shape, classes, device, lo=lo, hi=hi, autocast=autocast,
-                         memory_format=memory_format, headroom=headroom)
+                         memory_format=memory_format, headroom=headroom, limit_s=limit_s)
 
 
 def fitting_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device, *,
                   lo: int, hi: int, autocast=None, memory_format=torch.contiguous_format,
-                  headroom: float = HEADROOM) -> float:
+                  headroom: float = HEADROOM, limit_s: float | None = None) -> float:
     """probe_max_batch's search on any device (the tests run it on the CPU with a model that raises the CUDA
-    out-of-memory error above a size)."""
+    out-of-memory error, or cuDNN's and cuBLAS's allocation failures, above a size)."""
     cuda = device.type == "cuda"
+    deadline = None if limit_s is None else time.perf_counter() + limit_s
+    failures: list[str] = []
     trainable = [p for p in model.parameters() if p.requires_grad]
     reserve_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     autocast = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
 
     def fits(b: int) -> bool:
+        if deadline is not None and time.perf_counter() > deadline:
+            raise TimeoutError(f"--max-batch probe ran past its {limit_s:g} s limit")
         x = y = loss = None
+        failed = False
         try:
             x = torch.zeros(b, *sample_shape, device=device).contiguous(memory_format=memory_format)
             y = torch.arange(b, device=device) % classes
@@ -90,12 +128,18 @@ def fitting_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes
             if cuda:
                 torch.cuda.synchronize(device)
             return True
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as e:
+            if not is_alloc_failure(e):
+                raise
+            failures.append(str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+            failed = True
             return False
         finally:
             del x, y, loss
             model.zero_grad(set_to_none=True)
-            if cuda:
+            if failed:
+                recover(device)  # outside the except block: the error's traceback no longer pins the tensors
+            elif cuda:
                 torch.cuda.empty_cache()
 
     reserve = torch.empty(reserve_bytes, dtype=torch.uint8, device=device)
@@ -111,5 +155,5 @@ def fitting_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes
             torch.cuda.empty_cache()
     if best == 0:
         free = f" (free {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB)" if cuda else ""
-        raise RuntimeError(f"--max-batch probe: not even {lo} sample(s) fit on {device}{free}")
+        raise RuntimeError(f"--max-batch probe: not even {lo} sample(s) fit on {device}{free}: {failures[-1]}")
     return float(min(hi, max(lo, int(best * headroom))))

@@ -118,9 +118,11 @@ class Trainer:
         model = build_model(cfg.model, len(data.classes)).to(dev, memory_format=self.memory_format)
         self.model = model
         self.autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16)
-        self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment)
+        self.train = DeviceLoader(data.train_x, data.train_y, data.mean, data.std, dev, cfg.augment,
+                                  memory_format=self.memory_format)  # batches come in the model's format
         lo, hi = (len(data.test_y) * world.rank) // world.world, (len(data.test_y) * (world.rank + 1)) // world.world
-        self.test = DeviceLoader(data.test_x[lo:hi], data.test_y[lo:hi], data.mean, data.std, dev, augment=False)
+        self.test = DeviceLoader(data.test_x[lo:hi], data.test_y[lo:hi], data.mean, data.std, dev, augment=False,
+                                 memory_format=self.memory_format)
         self.max_batches = cfg.max_batches(world.world)
         if any(cfg.probes(r, world.world) for r in range(world.world)):
             self.max_batches = self._probe_limits(data)  # data on the device, before DDP: the bare model
@@ -142,7 +144,7 @@ class Trainer:
         (a failed probe as -1, so every rank stops with the same error instead of waiting on the failed one)."""
         cfg, w = self.cfg, self.world
         places = [None] * w.world
-        dist.all_gather_object(places, (socket.gethostname(), str(w.device)))
+        dist.all_gather_object(places, (socket.gethostname(), str(w.device), w.gpu))
         if shared := shared_gpus(places, [cfg.probes(r, w.world) for r in range(w.world)]):
             ranks = shared[0]
             raise TrainingError(f"--max-batch probe needs a GPU of its own per rank: ranks "
@@ -242,7 +244,7 @@ class Trainer:
             idx = plan.indices(step, sizes[step], rank) if b else plan.indices(step, sizes[step], 0)[:2]
             x, y = self.train.batch(idx)
             with self.autocast:
-                out = self.ddp(x.contiguous(memory_format=self.memory_format))
+                out = self.ddp(x.contiguous(memory_format=self.memory_format))  # a no-op: the loader's format
                 loss = F.cross_entropy(out.float(), y) * (1.0 if b else 0.0)
             loss.backward()
             clock.mark("returned")
@@ -274,11 +276,20 @@ class Trainer:
                 "train_loss": float(totals[0] / totals[2]), "train_top1": float(totals[1] / totals[2])}
 
     def _delay_hook(self, epoch: int, step: int, clock: StepClock, delay: np.ndarray):
+        """The emulated slow rank's extra time, spent when its gradients are ready (records delay[step], s).
+
+        On CUDA the host runs ahead of the GPU: a sleep while this rank's kernels are still queued would overlap
+        them and be lost. So the host first waits for the compute stream (clock.wait_device: an event, not a
+        device-wide synchronise, which would also wait for NCCL); the `ready` mark, recorded after the sleep,
+        then counts the delay as compute on CUDA as on the CPU."""
         def on_ready() -> None:
-            own = clock.host_elapsed_s() if self.emulator.needs_compute_time else 0.0
+            waited = self.emulator.needs_compute_time
+            own = clock.host_elapsed_s() if waited else 0.0  # slowdown: waits for the device to measure
             d = self.emulator.delay_s(epoch, self.global_step, own)
             delay[step] = d
             if d > 0:
+                if not waited:
+                    clock.wait_device()
                 time.sleep(d)
         return on_ready
 
@@ -415,7 +426,12 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer, ok = None, False
     try:
-        world = setup([cfg.for_rank("device", r, world_size) for r in range(world_size)], cfg.backend, cfg.timeout_s)
+        try:
+            world = setup([cfg.for_rank("device", r, world_size) for r in range(world_size)], cfg.backend,
+                          cfg.timeout_s)
+        except ConfigError as e:  # the backend cannot work where the ranks are: the same on every rank
+            say(e)
+            return 2
         run_dir = Path(cfg.run_dir)
         trainer = Trainer(cfg, world, data, run_dir, replay)
         if resume:

@@ -8,17 +8,23 @@
    device synchronisation after every step (the trainer reads its step clock every step), and the trainer on
    one rank (`python -m hetero.train`, a world of one, synthetic data, no augmentation), median over the
    epochs after the first.
-2. mixed: one job of one GPU rank and two CPU ranks with different thread budgets (--device cuda,cpu,cpu
+2. delay: two ranks on the one GPU, ResNet50, rank 1 delayed by a fixed 20 ms per step (`--hetero 1:delay=0.02`,
+   sync, --backend auto: it must pick gloo, saying why): both ranks' mean compute_s per step, and whether rank 1's
+   exceeds rank 0's by the delay within 10% (issue 16: a delay slept while the rank's kernels were still queued
+   was lost).
+3. mixed: one job of one GPU rank and two CPU ranks with different thread budgets (--device cuda,cpu,cpu
    --threads 0,4,2, each CPU rank pinned to its own cores; gloo), tiny model, no emulated delay; sync, edp and
    affine: steady-state epoch time, shares, speedup over sync.
-3. two ranks on the one GPU (gloo, since NCCL refuses two ranks on one device), rank 1 slowed, every scheme:
+4. two ranks on the one GPU (gloo, since NCCL refuses two ranks on one device), rank 1 slowed, every scheme:
    steady-state epoch time, final shares, speedup over sync.
-4. probe: the largest VGG16 training batch that fits (hetero.memory.probe_max_batch, as --max-batch probe), then
-   a real training step (SGD with momentum) at that size, which must fit.
-5. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
+5. probe: the largest VGG16 training batch that fits (hetero.memory.probe_max_batch, as --max-batch probe), then
+   a real training step (SGD with momentum) at that size, which must fit; the search has its own time limit.
+6. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
    --channels-last).
 The figures go to --out as JSON and, next to it, as a markdown table (.md), rewritten after every part so that
-a run cut short still leaves what it measured. Needs torch (2.4 or later) and torchvision; not pandas.
+a run cut short still leaves what it measured. Parts (and fast-path rows) that the time did not allow are
+reported as skipped, not failed: the exit status is 1 only for a real failure. Needs torch (2.4 or later) and
+torchvision; not pandas.
 """
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SCHEMES = ("sync", "dp", "edp", "affine")
-PARTS = ("throughput", "mixed", "pair", "probe", "fast")  # in order of importance: later ones may run out of time
+PARTS = ("throughput", "delay", "mixed", "pair", "probe", "fast")  # by importance: later ones may run out of time
 EXTRA_PATH: list[str] = []  # a stand-in tqdm, when the GPU machine's python lacks it (see preflight)
 TQDM_STAND_IN = """class tqdm:  # written by scripts/gpu_check.py: tqdm is missing here; the trainer only draws a bar
     def __init__(self, *args, **kwargs): pass
@@ -69,13 +75,23 @@ class Sizes:
     mixed_epochs: int
     probe_model: str
     probe_hi: int                 # the probe's largest try
+    probe_limit_s: float          # the probe's own time limit (checked between its trials)
+    delay_model: str              # the delay part: two ranks on one device, rank 1 delayed
+    delay_subset: int
+    delay_epochs: int
+    delay_hetero: str
     budget_s: float               # the whole check stops starting new parts after this long
 
 
 GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680, 3, "1:slowdown=3", 1000,
-            "cuda,cpu,cpu", "0,4,2", "auto", 10240, 4, "vgg16", 1 << 17, 270)
+            "cuda,cpu,cpu", "0,4,2", "auto", 10240, 4, "vgg16", 1 << 17, 45, "resnet50", 5120, 2, "1:delay=0.02", 270)
 SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64,
-              "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 150)
+              "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 30, "tiny", 256, 1, "1:delay=0.02", 600)
+SKIPPED = "skipped: "  # an error text starting so is a part the time did not allow, not a failure
+
+
+class OutOfTime(RuntimeError):
+    """A trainer run stopped at the check's time limit."""
 
 
 def raw_samples_s(name: str, s: Sizes, sync_each: bool, fast: bool = False) -> float:
@@ -131,7 +147,7 @@ def trainer(nproc: int, args: list[str], log: Path, timeout_s: float) -> None:
         fh.flush()
         rc = run_logged(cmd, fh, max(timeout_s, 1), clean_env(EXTRA_PATH, threads="1"))
     if rc is None:
-        raise RuntimeError(f"ran past {max(timeout_s, 1):g} s and was stopped; log {log}")
+        raise OutOfTime(f"ran past {max(timeout_s, 1):g} s and was stopped; log {log}")
     if rc:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-12:])
         raise RuntimeError(f"exit {rc}; log {log}:\n{tail}")
@@ -174,7 +190,7 @@ def throughput(s: Sizes, work: Path, left, fast: bool = False) -> list[dict]:
     for name in s.models:
         row: dict = {"model": name, "batch": s.batch, "path": "bf16 + channels-last" if fast else "float32"}
         if left() < 30:
-            row["error"] = "skipped: out of time"
+            row["error"] = f"{SKIPPED}out of time"
             out.append(row)
             continue
         try:
@@ -188,6 +204,8 @@ def throughput(s: Sizes, work: Path, left, fast: bool = False) -> list[dict]:
             row.update(trainer_samples_s=samples / epoch_s, steps_per_epoch=steps, run_dir=str(run))
             row["trainer_over_raw"] = row["trainer_samples_s"] / row["raw_samples_s"]
             row["trainer_over_raw_synced"] = row["trainer_samples_s"] / row["raw_synced_samples_s"]
+        except OutOfTime as e:  # the fast path runs last, on what time is left: running out is no failure there
+            row["error"] = (SKIPPED if fast else "") + f"{type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - record it and go on with the next model
             row["error"] = f"{type(e).__name__}: {e}"
         out.append(row)
@@ -202,7 +220,7 @@ def compare(s: Sizes, work: Path, left, tag: str, nproc: int, model: str, subset
     for scheme in schemes:
         row: dict = {"scheme": scheme}
         if left() < 20:
-            row["error"] = "skipped: out of time"
+            row["error"] = f"{SKIPPED}out of time"
             rows.append(row)
             continue
         run = work / f"{tag}-{scheme}"
@@ -230,6 +248,35 @@ def pair(s: Sizes, work: Path, left, schemes: tuple[str, ...]) -> dict:
     res = {"model": s.pair_model, "hetero": s.pair_hetero, "backend": "gloo", "ranks": 2}
     res["rows"] = compare(s, work, left, "pair", 2, s.pair_model, s.pair_subset, s.pair_epochs,
                           ["--hetero", s.pair_hetero, "--backend", "gloo"], schemes)
+    return res
+
+
+def delay(s: Sizes, work: Path, left) -> dict:
+    """Two ranks on one device, rank 1 delayed (sync: equal batches): per rank, the mean compute_s and delay_s per
+    step over the epochs after the first; rank 1's compute must exceed rank 0's by its delay (within 10%)."""
+    res: dict = {"model": s.delay_model, "hetero": s.delay_hetero, "backend": "auto", "ranks": 2}
+    if left() < 40:
+        return {**res, "error": f"{SKIPPED}out of time"}
+    run = work / "delay"
+    log = work / "logs" / "delay.log"
+    try:
+        trainer(2, common_args(s, s.delay_model, s.delay_subset, s.delay_epochs, run) +
+                ["--scheme", "sync", "--hetero", s.delay_hetero, "--backend", "auto"], log, left())
+        rows = _rows(run / "steps.csv")
+        later = [r for r in rows if int(r["epoch"]) >= 2] or rows
+        mean = lambda k, rank: statistics.fmean(float(r[k]) for r in later if int(r["rank"]) == rank)
+        res["compute_s"] = [mean("compute_s", r) for r in (0, 1)]
+        res["wait_s"] = [mean("wait_s", r) for r in (0, 1)]
+        res["delay_s"] = [mean("delay_s", r) for r in (0, 1)]
+        res["steps"] = len(later) // 2
+        res["excess_s"] = res["compute_s"][1] - res["compute_s"][0]
+        want = res["delay_s"][1] - res["delay_s"][0]
+        res["excess_over_delay"] = res["excess_s"] / want
+        res["within_10pct"] = abs(res["excess_s"] - want) <= 0.1 * want
+        res["backend_line"] = next((ln.strip() for ln in log.read_text(errors="replace").splitlines()
+                                    if "using gloo" in ln or " rank(s) (" in ln), "")
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {e}"
     return res
 
 
@@ -268,12 +315,13 @@ def probe(s: Sizes, left) -> dict:
 
     res: dict = {"model": s.probe_model, "hi": s.probe_hi}
     if left() < 30:
-        return {**res, "error": "skipped: out of time"}
+        return {**res, "error": f"{SKIPPED}out of time"}
     dev = torch.device(s.device)
     try:
         model = build_model(s.probe_model).to(dev)
         t0 = time.perf_counter()
-        found = probe_max_batch(model, (3, 32, 32), 10, dev, lo=1, hi=s.probe_hi)
+        found = probe_max_batch(model, (3, 32, 32), 10, dev, lo=1, hi=s.probe_hi,
+                                limit_s=min(s.probe_limit_s, max(left() - 10, 1)))
         res["probe_s"] = time.perf_counter() - t0
         res["max_batch"] = None if found == float("inf") else int(found)
         if dev.type == "cuda":
@@ -291,6 +339,8 @@ def probe(s: Sizes, left) -> dict:
         if dev.type == "cuda":
             res["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
         del model, opt
+    except TimeoutError as e:  # the search's own limit: out of time, not a fault
+        res["error"] = f"{SKIPPED}{e}"
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     if dev.type == "cuda":
@@ -309,6 +359,18 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['model']} | {r['path']} | {r['batch']} | {f(r, 'raw_samples_s', '.0f')} | "
                      f"{f(r, 'raw_synced_samples_s', '.0f')} | {f(r, 'trainer_samples_s', '.0f')} | "
                      f"{f(r, 'trainer_over_raw', '.3f')} | {f(r, 'trainer_over_raw_synced', '.3f')} |")
+    if p := res.get("delay"):
+        lines += ["", f"## Delay counted as compute: two ranks on one device, {p['model']}, --hetero {p['hetero']}, "
+                      f"sync, --backend {p['backend']}", ""]
+        if "compute_s" not in p:
+            lines.append(f"error: {p.get('error', '')}")
+        else:
+            lines += ["| rank | compute s/step | wait s/step | delay s/step |", "|---|---|---|---|"]
+            lines += [f"| {r} | {p['compute_s'][r]:.4f} | {p['wait_s'][r]:.4f} | {p['delay_s'][r]:.4f} |"
+                      for r in (0, 1)]
+            lines += ["", f"rank 1 - rank 0: {p['excess_s'] * 1e3:.1f} ms per step over {p['steps']} steps = "
+                          f"{p['excess_over_delay']:.2f} x the delay: "
+                          f"{'within' if p['within_10pct'] else 'NOT within'} 10%. `{p['backend_line']}`"]
     if p := res.get("mixed"):
         lines += ["", f"## Mixed job: devices {p['devices']}, threads {p['threads']}, cores {p['affinity'] or '-'} "
                       f"({p['backend']}), {p['model']}, no emulated delay", ""] + _scheme_table(p["rows"])
@@ -386,18 +448,21 @@ def main(argv: list[str] | None = None) -> int:
     parts = ns.parts.split(",")
     if bad := [x for x in parts if x not in PARTS]:
         p.error(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
-    run_part = {"throughput": lambda: throughput(s, work, left), "mixed": lambda: mixed(s, work, left),
+    run_part = {"throughput": lambda: throughput(s, work, left), "delay": lambda: delay(s, work, left),
+                "mixed": lambda: mixed(s, work, left),
                 "pair": lambda: pair(s, work, left, tuple(ns.schemes.split(","))), "probe": lambda: probe(s, left),
                 "fast": lambda: throughput(s, work, left, fast=True)}
     for part in PARTS:
         if part in parts:
+            t_part = time.perf_counter()
             res[part] = run_part[part]()
+            res["meta"].setdefault("part_s", {})[part] = round(time.perf_counter() - t_part, 1)
             save()
     print(markdown(res), end="")
-    found = res.get("throughput", []) + [res["probe"]] * ("probe" in res)
+    found = res.get("throughput", []) + res.get("fast", []) + [res[k] for k in ("probe", "delay") if k in res]
     found += [r for k in ("mixed", "pair") for r in res.get(k, {}).get("rows", [])]
-    found += [r for r in res.get("fast", []) if not r.get("error", "").startswith("skipped")]  # best effort
-    return 1 if any("error" in r for r in found) else 0
+    failed = [r for r in found if "error" in r and not r["error"].startswith(SKIPPED)]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

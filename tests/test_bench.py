@@ -51,7 +51,7 @@ def test_bench_quickest(tmp_path):
 def test_gpu_check_smoke(tmp_path):
     out = tmp_path / "gpu" / "check.json"
     _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--out", str(out),
-          "--work-dir", str(tmp_path / "work")], timeout=300)
+          "--work-dir", str(tmp_path / "work")], timeout=900)  # a hang guard (slow when loaded)
     res = json.loads(out.read_text())
     assert out.with_suffix(".md").read_text().startswith("# GPU check")
     for part in ("throughput", "fast"):  # float32, then bf16 autocast + channels-last
@@ -66,3 +66,6 @@ def test_gpu_check_smoke(tmp_path):
     assert [r["scheme"] for r in mixed] == ["sync", "edp", "affine"] and not any("error" in r for r in mixed)
     assert mixed[1]["speedup_vs_sync"] > 0 and abs(sum(mixed[2]["shares"]) - 1) < 0.01
     assert res["probe"] == {**res["probe"], "max_batch": None, "step_at_max_fits": True}  # CPU: no limit
+    d = res["delay"]  # two ranks, rank 1 delayed 20 ms a step: the delay is part of its recorded compute
+    assert "error" not in d and d["delay_s"][0] == 0 and math.isclose(d["delay_s"][1], 0.02) and d["steps"] == 8
+    assert d["compute_s"][1] >= d["delay_s"][1]

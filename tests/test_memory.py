@@ -95,8 +95,13 @@ def test_probe_on_cpu_ranks_means_no_limit_and_limits_still_hold(tmp_path):
 
 
 def test_probe_refuses_ranks_that_share_a_gpu():
-    places = [("a", "cuda:0"), ("a", "cuda:0"), ("b", "cuda:0"), ("a", "cpu"), ("a", "cpu")]
+    places = [("a", "cuda:0", "uuid A"), ("a", "cuda:0", "uuid A"), ("b", "cuda:0", "uuid B"), ("a", "cpu", ""),
+              ("a", "cpu", "")]
     assert shared_gpus(places, [True] * 5) == [[0, 1]]           # same host and GPU; CPU ranks may share
     assert shared_gpus(places, [False, True, True, True, True]) == [[0, 1]]
     assert shared_gpus(places, [False, False, True, True, True]) == []  # given limits for both: nothing probed there
-    assert shared_gpus([("a", "cuda:0"), ("a", "cuda:1")], [True, True]) == []
+    assert shared_gpus([("a", "cuda:0", "uuid A"), ("a", "cuda:1", "uuid B")], [True, True]) == []
+    # one GPU visible per rank (SLURM --gpus-per-task): every rank's is cuda:0, but they are different GPUs
+    assert shared_gpus([("a", "cuda:0", "uuid A"), ("a", "cuda:0", "uuid B")], [True, True]) == []
+    # and the same GPU under two names (cuda:0 and cuda:1 with different CUDA_VISIBLE_DEVICES) is shared
+    assert shared_gpus([("a", "cuda:0", "uuid A"), ("a", "cuda:1", "uuid A")], [True, True]) == [[0, 1]]

@@ -273,7 +273,8 @@ def plan_from(namespace: dict[str, Any]) -> Grid:
     # A notebook holds other variables too, so only a near miss of a parameter's name (papermill's `-p epochz 3`,
     # a typo in the parameters cell) can be told from them.
     near = [_unknown(k) for k, v in namespace.items() if k not in PARAMETERS and not k.startswith("_")
-            and isinstance(v, (bool, int, float, str, list, tuple, dict)) and difflib.get_close_matches(k, PARAMETERS, 1)]
+            and isinstance(v, (bool, int, float, str, list, tuple, dict))
+            and difflib.get_close_matches(k, PARAMETERS, 1, cutoff=0.75)]
     if near:
         raise GridError("\n".join(near))
     root = Path(params.get("runs_root", "runs"))

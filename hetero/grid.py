@@ -111,7 +111,7 @@ def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_
     extra_axes = {k: v for k, v in config.items() if isinstance(v, (list, tuple))}
     fixed = {k: v for k, v in config.items() if k not in extra_axes}
     root = Path(runs_root) / grid
-    runs, seen = [], {}
+    runs, seen, host_problems = [], {}, set()
     for seed, model, scheme, *extra in itertools.product(seeds, models, schemes, *extra_axes.values()):
         for spec in per_model[model]:
             swept = dict(zip(extra_axes, extra))
@@ -127,9 +127,15 @@ def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_
                 values = {**fixed, **swept, "model": model, "scheme": scheme, "hetero": spec, "seed": seed}
                 cfg = Config(**{k: _coerce(k, v) for k, v in values.items()}, run_dir=str(run_dir))
                 cfg.check_world(nproc)
-                cfg.check_host(range(nproc), nproc)  # the grid launches every run on this host
             except (ConfigError, TypeError) as e:
                 problems.append(f"{name}: {e}")
+                continue
+            try:
+                cfg.check_host(range(nproc), nproc)  # the grid launches every run on this host
+            except ConfigError as e:  # the same for many runs: said once
+                if str(e) not in host_problems:
+                    host_problems.add(str(e))
+                    problems.append(f"{name}: {e}")
                 continue
             problems += _conflict(run_dir, cfg)
             runs.append(Run(name, run_dir, cfg))

@@ -366,3 +366,11 @@ def test_make_experiment_stops_at_check_without_gpu():
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: error:")]
     assert p.returncode == 2 and len(lines) == 1 and "torch sees none on this host" in lines[0], p.stderr
     assert "torchrun" not in p.stdout + p.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a GPU")
+def test_grid_says_a_host_problem_once(tmp_path):
+    with pytest.raises(hg.GridError) as e:
+        hg.plan(grid="g", runs_root=tmp_path, **dict(TINY_GRID, device="cuda", scheme=["sync", "dp", "edp"]))
+    assert str(e.value) == ("tiny-sync-none-s0: --device 'cuda': rank 0 wants a GPU but torch sees none on this host "
+                            "(use --device cpu or auto)")

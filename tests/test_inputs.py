@@ -20,7 +20,8 @@ import torch
 
 from hetero import grid as hg
 from hetero.config import Config
-from hetero.train import RESUMABLE, main
+from hetero.resume import RESUMABLE
+from hetero.train import main
 
 from conftest import ROOT, _env, run_train
 

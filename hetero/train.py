@@ -374,6 +374,11 @@ def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
     return Config(**{**cfg.to_dict(), "run_dir": run_dir, "overwrite": overwrite and not resume}), resume
 
 
+# A rank other than its node's local rank 0 that fails a check waits this long (s) before exiting, since torchrun
+# stops every worker as soon as one exits: the speaker, slower to import, would be stopped before it printed.
+QUIET_WAIT_S = 60.0
+
+
 def main(argv: list[str] | None = None) -> int:
     rank, world_size, local_rank = env_world()
     # Every rank checks the same things; one per node says so (the nodes' consoles are apart), before any group.
@@ -400,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.check:
             return 0
     except (ConfigError, DataError) as e:
+        if local_rank != 0:  # the node's speaker fails the same check: let it print before torchrun stops it
+            time.sleep(QUIET_WAIT_S)
+            print(f"hetero: error: rank {rank}: {e}", file=sys.stderr, flush=True)  # it did not: say it here
         say(e)
         return 2
     device = cfg.for_rank("device", rank, world_size)

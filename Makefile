@@ -44,7 +44,7 @@ ARGS := $(foreach v,$(FIELDS),$(if $(value $(v)),$(call flag,$(v)) "$$$(v)"))
 .PHONY: help install experiment test clean-venv
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
-	@echo; echo "Variables: NPROC NNODES NODE_RANK RDZV_ENDPOINT RDZV_ID and the config fields:"; echo "  $(FIELDS)"
+	@echo; echo "Variables (any other is refused): the config fields"; echo "  $(FIELDS)"; echo "and"; echo "  $(SETTINGS)"
 
 install: $(STAMP)  ## create .venv with torch, torchvision, jupyterlab, papermill, ... (once)
 $(STAMP): pyproject.toml

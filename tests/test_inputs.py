@@ -29,6 +29,12 @@ SMALL = ["--model", "tiny", "--data", "synthetic", "--subset", "512", "--test-su
          "--threads", "1"]
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """--check creates the default run folder (runs/<time>-...): keep it out of the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def check(args: list[str], monkeypatch, capsys, world: int = 1, check_only: bool = True) -> tuple[int, list[str]]:
     """main() in this process (no torchrun, no process group): its exit status and its stderr lines."""
     for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):

@@ -15,19 +15,36 @@ ifeq ($(NNODES),1)
 TORCHRUN_ARGS := --standalone --nproc-per-node=$(NPROC)
 else
 TORCHRUN_ARGS := --nnodes=$(NNODES) --node-rank=$(NODE_RANK) --nproc-per-node=$(NPROC) \
-	--rdzv-backend=c10d --rdzv-endpoint=$(RDZV_ENDPOINT) --rdzv-id=$(RDZV_ID)
+	--rdzv-backend=c10d --rdzv-endpoint="$$RDZV_ENDPOINT" --rdzv-id="$$RDZV_ID"
 endif
 
 FIELDS := MODEL SCHEME HETERO EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTUM WEIGHT_DECAY DATA DATA_DIR \
 	SUBSET TEST_SUBSET AUGMENT SEED DEVICE BACKEND THREADS REBALANCE_EVERY SMOOTHING DEADBAND TIMEOUT_S RUN_DIR \
 	OVERWRITE RESUME REPLAY EVAL_BATCH AFFINITY BF16 CHANNELS_LAST SIT_OUT
+# Every other variable make takes; one given on the command line that is in neither list is refused (EPOCH=3).
+SETTINGS := NPROC NNODES NODE_RANK RDZV_ENDPOINT RDZV_ID PYTHON VENV PARAMS GRID REPORT_DIR RUNS TARGET_TOP1 \
+	RUN_TIMEOUT_S LAB_ARGS SIM_NOISE QUICK GPU_CHECK_OUT
+UNKNOWN := $(filter-out $(FIELDS) $(SETTINGS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
+ifneq ($(UNKNOWN),)
+$(error hetero: error: unknown make variable $(foreach v,$(UNKNOWN),$(v)$(if $(filter $(v)%,$(FIELDS) $(SETTINGS)), (did \
+	you mean $(firstword $(filter $(v)%,$(FIELDS) $(SETTINGS)))?))): make help lists the variables)
+endif
+# Numbers that reach shell arithmetic must be numbers (bash evaluates $(( )) operands as expressions).
+digits = $(if $(and $(1),$(filter 1,$(words $(1))),$(if $(strip $(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst \
+	4,,$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1)))))))))))),,1)),,$(error hetero: error: $(2) \
+	must be a whole number (got '$(1)')))
+$(call digits,$(NPROC),NPROC)$(call digits,$(NNODES),NNODES)$(call digits,$(NODE_RANK),NODE_RANK)
+# Values reach the recipes through the environment ("$$MODEL"), never pasted into the command text: a value
+# holding ' or ; stays one argument and runs nothing.
+# (export each after its default: `export V` first would define V empty, and V ?= would then keep that)
+export $(FIELDS) RDZV_ENDPOINT RDZV_ID
 flag = --$(subst _,-,$(shell printf '%s' '$(1)' | tr A-Z a-z))
-ARGS := $(foreach v,$(FIELDS),$(if $(value $(v)),$(call flag,$(v)) '$($(v))'))
+ARGS := $(foreach v,$(FIELDS),$(if $(value $(v)),$(call flag,$(v)) "$$$(v)"))
 
 .PHONY: help install experiment test clean-venv
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
-	@echo; echo "Variables: NPROC NNODES NODE_RANK RDZV_ENDPOINT RDZV_ID and the config fields:"; echo "  $(FIELDS)"
+	@echo; echo "Variables (any other is refused): the config fields"; echo "  $(FIELDS)"; echo "and"; echo "  $(SETTINGS)"
 
 install: $(STAMP)  ## create .venv with torch, torchvision, jupyterlab, papermill, ... (once)
 $(STAMP): pyproject.toml
@@ -38,7 +55,8 @@ $(STAMP): pyproject.toml
 	touch $@
 
 experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment MODEL=vgg16 SCHEME=dp HETERO=1:delay=0.01
-	WORLD_SIZE=$$(( $(NPROC) * $(NNODES) )) $(BIN)/python -m hetero.train --check $(ARGS)
+	WORLD_SIZE=$$(( $(NPROC) * $(NNODES) )) RANK=$$(( $(NODE_RANK) * $(NPROC) )) LOCAL_WORLD_SIZE=$(NPROC) \
+		$(BIN)/python -m hetero.train --check $(ARGS)
 	$(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.train $(ARGS)
 
 test: $(STAMP)  ## the test suite (CPU, gloo; a few minutes on 2 cores)
@@ -54,32 +72,33 @@ REPORT_DIR ?= runs/$(GRID)/report
 RUNS ?=
 TARGET_TOP1 ?=
 RUN_TIMEOUT_S ?=
+export PARAMS GRID REPORT_DIR RUNS TARGET_TOP1 RUN_TIMEOUT_S
 PAPERMILL := PYTHONPATH=$(CURDIR) $(BIN)/papermill -k python3 --cwd $(CURDIR) --no-progress-bar --log-output
 lower = $(shell printf '%s' '$(1)' | tr A-Z a-z)
-GRID_OVERRIDES := $(foreach v,$(FIELDS) RUN_TIMEOUT_S,$(if $(value $(v)),-y '$(call lower,$(v)): $($(v))')) \
+GRID_OVERRIDES := $(foreach v,$(FIELDS) RUN_TIMEOUT_S,$(if $(value $(v)),-y "$(call lower,$(v)): $$$(v)")) \
 	$(if $(filter command line environment,$(origin NPROC)),-p nproc $(NPROC))
-comma := ,
-empty :=
-space := $(empty) $(empty)
+# The recipes' arguments are shell words: "$$GRID" (from the environment) or a fixed name. The parameters are
+# checked first (plain lines, exit 2); papermill then runs the notebook with the same ones.
 define grid_recipe  # $(1): grid name, $(2): parameter file
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m hetero.grid --check -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs
 	mkdir -p runs/$(1)
 	$(PAPERMILL) notebooks/grid.ipynb runs/$(1)/grid.ipynb -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs
 endef
 define report_recipe  # $(1): grid folder, $(2): output folder
 	mkdir -p $(2)
 	$(PAPERMILL) notebooks/report.ipynb $(2)/report.ipynb -p grid_dir $(1) -p out_dir $(2) \
-		$(if $(RUNS),-y 'run_dirs: [$(subst $(space),$(comma)$(space),$(strip $(RUNS)))]') \
-		$(if $(TARGET_TOP1),-p target_top1 $(TARGET_TOP1))
+		$(if $(RUNS),-y "run_dirs: [$$(printf '%s, ' $$RUNS | sed 's/, $$//')]") \
+		$(if $(TARGET_TOP1),-p target_top1 "$$TARGET_TOP1")
 	$(BIN)/jupyter nbconvert --to html --no-input --log-level WARN $(2)/report.ipynb
 	@echo "report: $(2)/report.html (figures: $(2)/*.png, *.svg; table: $(2)/summary.csv)"
 endef
 .PHONY: grid report lab demo
 
 grid: $(STAMP)  ## a grid of runs from PARAMS=notebooks/params/NAME.yaml into runs/GRID (default: the file's name)
-	$(call grid_recipe,$(GRID),$(PARAMS))
+	$(call grid_recipe,"$$GRID","$$PARAMS")
 
 report: $(STAMP)  ## the HTML report (no code) and figures of runs/GRID, or of RUNS='runs/a runs/b'
-	$(call report_recipe,runs/$(GRID),$(REPORT_DIR))
+	$(call report_recipe,runs/"$$GRID","$$REPORT_DIR")
 
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)  # e.g. --no-browser --ip=0.0.0.0 --port=8888
 lab: $(STAMP)  ## JupyterLab on notebooks/ with this checkout's kernel "Python (hetero)" (LAB_ARGS=...)
@@ -97,10 +116,11 @@ demo: $(STAMP)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slowe
 # make sim-notebook: notebooks/balancers.ipynb (paper delays, slowdowns, random delays, changing speeds) executed
 # into runs/sim/balancers.ipynb and rendered to runs/sim/balancers.html.
 SIM_NOISE ?= 0
+export SIM_NOISE
 .PHONY: sim-bench sim-notebook
 
 sim-bench: $(STAMP)  ## simulator benchmark: affine vs the paper's rule, 2/16/1024 workers (~10 s)
-	$(BIN)/python -m hetero.simulator --noise $(SIM_NOISE)
+	$(BIN)/python -m hetero.simulator --noise "$$SIM_NOISE"
 
 sim-notebook: $(STAMP)  ## the balancers notebook on simulated scenarios, into runs/sim/balancers.html (~1 min)
 	mkdir -p runs/sim
@@ -114,13 +134,14 @@ sim-notebook: $(STAMP)  ## the balancers notebook on simulated scenarios, into r
 # runs/bench/<time>/bench.json and table.md. make gpu-check runs on a GPU machine with its own python3 and torch.
 QUICK ?=
 GPU_CHECK_OUT ?= runs/gpu_check.json
+export GPU_CHECK_OUT
 .PHONY: bench gpu-check
 
 bench: $(STAMP)  ## benchmarks on CPU ranks (~8 min on 2 cores; QUICK=1 ~2 min): runs/bench/<time>/bench.json
 	$(BIN)/python -m hetero.bench $(if $(QUICK),--quick)
 
 gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): GPU_CHECK_OUT (.json and .md)
-	$(PYTHON) scripts/gpu_check.py --out $(GPU_CHECK_OUT)
+	$(PYTHON) scripts/gpu_check.py --out "$$GPU_CHECK_OUT"
 # --- end benchmarks ---
 
 clean-venv:  ## remove the virtual environment

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -12,6 +13,27 @@ from pathlib import Path
 
 class ConfigError(ValueError):
     """A bad input: reported as one line, exit status 2."""
+
+
+# Bounds that keep a value inside what torch, numpy and the C++ timers take (an overflow would only show once
+# training started). The seed feeds numpy's 32-bit seeding; timedelta and the collectives' millisecond clocks
+# overflow near 1e13 s, and no single collective should wait more than 30 days.
+MAX_SEED = 2**32 - 1
+MAX_TIMEOUT_S = 30 * 86400.0
+_KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def type_problem(name: str, value: object) -> str:
+    """Why `value` cannot be Config field `name` ("" if it can): an int field takes whole numbers, a float field
+    numbers, a bool field true/false, a str field text; bool is no number here."""
+    kind = _KINDS[str(next(f.type for f in fields(Config) if f.name == name))]
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if ok:
+        return ""
+    what = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}[kind]
+    return f"{name} must be {what} (got {value!r}, {type(value).__name__})"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +76,9 @@ class Config:
         from .models import MODELS
         from .partition import SCHEMES
 
+        for f in fields(self):  # argparse types the flags; Python callers and grid files may not
+            if problem := type_problem(f.name, getattr(self, f.name)):
+                raise ConfigError(problem)
         if self.model not in MODELS:
             raise ConfigError(f"unknown model {self.model!r}: choose one of {', '.join(MODELS)}")
         if self.scheme not in SCHEMES:
@@ -85,11 +110,15 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be positive (got {v})")
         if self.min_batch < 1:  # under DDP every rank joins every all-reduce, so every rank computes something
             raise ConfigError(f"--min-batch must be at least 1 (got {self.min_batch})")
-        for name in ("momentum", "weight_decay", "subset", "test_subset", "rebalance_every", "seed"):
+        for name in ("weight_decay", "subset", "test_subset", "rebalance_every", "seed"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"--{_flag(name)} must be non-negative (got {v})")
-        for name in ("smoothing", "deadband"):
+        if self.seed > MAX_SEED:
+            raise ConfigError(f"--seed must be at most 2**32-1 = {MAX_SEED} (got {self.seed})")
+        if self.timeout_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"--timeout-s must be at most {MAX_TIMEOUT_S:.0f} (30 days; got {self.timeout_s:g})")
+        for name in ("momentum", "smoothing", "deadband"):  # momentum >= 1 makes SGD's velocity grow without bound
             v = getattr(self, name)
             if not (0 <= v < 1):
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1) (got {v})")
@@ -128,6 +157,33 @@ class Config:
         except ValueError as e:
             raise ConfigError(f"{e} (world size {world})") from None
 
+    def check_host(self, ranks: range, world: int) -> None:
+        """The checks of the ranks `ranks` against this host: GPUs present, cores it has, threads it can run.
+        Ranks on another node are checked there (every rank checks its own node's ranks before the group)."""
+        import torch
+
+        allowed = sorted(os.sched_getaffinity(0))
+        for r in ranks:
+            device = self.for_rank("device", r, world)
+            if device.startswith("cuda"):
+                n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+                index = int(device.split(":")[1]) if ":" in device else 0
+                if n == 0:
+                    raise ConfigError(f"--device {self.device!r}: rank {r} wants a GPU but torch sees none on this "
+                                      f"host (use --device cpu or auto)")
+                if index >= n:
+                    raise ConfigError(f"--device {self.device!r}: rank {r} wants {device} but this host has {n} "
+                                      f"GPU(s)")
+            own = self.for_rank("affinity", r, world) if self.affinity else ""
+            if own and (missing := sorted(parse_cores(own) - set(allowed))):
+                raise ConfigError(f"--affinity {self.affinity!r}: rank {r} asks for core(s) "
+                                  f"{_cores_text(missing)} that this job may not use (it has cores "
+                                  f"{_cores_text(allowed)})")
+            threads = int(self.for_rank("threads", r, world))
+            if threads > (cores := os.cpu_count() or 1):
+                raise ConfigError(f"--threads {self.threads!r}: rank {r} asks for {threads} threads, more than the "
+                                  f"{cores} cores of this host")
+
     def for_rank(self, name: str, rank: int, world: int) -> str:
         """This global rank's value of a per-rank field (one value for all, or one per rank)."""
         values = getattr(self, name).split(",")
@@ -162,6 +218,17 @@ def parse_cores(text: str) -> set[int]:
     return cores
 
 
+def _cores_text(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def _flag(name: str) -> str:
     return name.replace("_", "-")
 
@@ -181,7 +248,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(prog: str = "python -m hetero.train") -> argparse.ArgumentParser:
     """One flag per Config field; booleans take an optional true/false so Make can pass `--overwrite $(OVERWRITE)`."""
-    p = _Parser(prog=prog, description="Heterogeneity-aware DDP training (run under torchrun).")
+    p = _Parser(prog=prog, allow_abbrev=False, description="Heterogeneity-aware DDP training (run under torchrun).")
     for f in fields(Config):
         kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type)]
         if kind is _bool:
@@ -191,11 +258,21 @@ def build_parser(prog: str = "python -m hetero.train") -> argparse.ArgumentParse
     return p
 
 
+_UNSET = object()
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    """The Config of a command line; ns.given names the fields whose flags were on it (resume checks them)."""
     p = build_parser()
     p.add_argument("--check", action="store_true",
                    help="validate the configuration (and fetch the data) without training; WORLD_SIZE sets the world")
-    ns = p.parse_args(argv)
+    # argparse fills in a default only where the namespace lacks the attribute: a marker there survives exactly
+    # for the flags not given
+    ns = p.parse_args(argv, argparse.Namespace(**{f.name: _UNSET for f in fields(Config)}))
+    ns.given = {f.name for f in fields(Config) if getattr(ns, f.name) is not _UNSET}
+    for f in fields(Config):
+        if f.name not in ns.given:
+            setattr(ns, f.name, f.default)
     cfg = Config(**{f.name: getattr(ns, f.name) for f in fields(Config)})
     return cfg, ns
 

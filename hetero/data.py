@@ -19,6 +19,7 @@ from .seeding import SUBSET, epoch_seed
 
 IMAGE_SIZE = 32
 SYNTHETIC_TRAIN, SYNTHETIC_TEST = 10_000, 2_000
+SYNTHETIC_MAX = 100_000  # CIFAR-10 twice over; drawing it takes ~4 GB of float intermediates
 
 
 class DataError(RuntimeError):
@@ -75,35 +76,53 @@ def _cifar10(root: Path) -> tuple:
 def _decode_folder(folder: Path, classes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     from PIL import Image
     from torchvision.datasets import ImageFolder
+    from torchvision.datasets.folder import IMG_EXTENSIONS
 
+    found = _classes(folder)
+    if found != classes:
+        raise DataError(f"{folder} has classes {found}, expected {classes} as in the train folder")
+    for c in classes:  # torchvision's own complaint names no folder
+        if not any(f.suffix.lower() in IMG_EXTENSIONS for f in (folder / c).rglob("*") if f.is_file()):
+            raise DataError(f"class folder {folder / c} holds no images ({', '.join(IMG_EXTENSIONS)})")
     ds = ImageFolder(str(folder))
-    if ds.classes != classes:
-        raise DataError(f"{folder} has classes {ds.classes}, expected {classes} as in the train folder")
     x = np.empty((len(ds.samples), IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
     for i, (path, _) in enumerate(ds.samples):
-        with Image.open(path) as im:
-            im = im.convert("RGB")
-            if im.size != (IMAGE_SIZE, IMAGE_SIZE):
-                im = im.resize((IMAGE_SIZE, IMAGE_SIZE), Image.BILINEAR)
-            x[i] = np.asarray(im)
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB")  # decodes: a truncated file fails here, not at open
+                if im.size != (IMAGE_SIZE, IMAGE_SIZE):
+                    im = im.resize((IMAGE_SIZE, IMAGE_SIZE), Image.BILINEAR)
+                x[i] = np.asarray(im)
+        except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, ... for bad files
+            raise DataError(f"cannot decode image {path}: {type(e).__name__}: {e} (remove or replace it)") from None
     return torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.tensor(ds.targets)
 
 
-def _imagefolder(root: Path) -> tuple:
-    from torchvision.datasets.folder import find_classes
+def _classes(folder: Path) -> list[str]:
+    """The class subfolders of an image folder, sorted (as torchvision's ImageFolder numbers them)."""
+    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    if not classes:
+        raise DataError(f"image folder {folder} has no class subfolders: expected {folder}/<class>/*.jpg")
+    return classes
 
+
+def _imagefolder(root: Path) -> tuple:
     for part in ("train", "test"):
         if not (root / part).is_dir():
             raise DataError(f"image folder {root} has no {part}/ subfolder: expected {root}/{part}/<class>/*.jpg")
-    classes, _ = find_classes(str(root / "train"))
+    classes = _classes(root / "train")
     # Decoding tens of thousands of images takes a while: decode once, keep the uint8 tensors in a cache.
     stamp = f"{root.resolve()}|{(root / 'train').stat().st_mtime_ns}|{(root / 'test').stat().st_mtime_ns}"
     cache_dir = Path(os.environ.get("HETERO_CACHE", Path.home() / ".cache" / "hetero"))
     cache = cache_dir / f"imagefolder-{hashlib.sha1(stamp.encode()).hexdigest()[:16]}.pt"
     with _locked(cache_dir / ".hetero.lock"):
+        d = None
         if cache.exists():
-            d = torch.load(cache)
-        else:
+            try:  # tensors only: a planted cache file cannot run code; a damaged one is decoded again
+                d = torch.load(cache, weights_only=True)
+            except Exception:  # noqa: BLE001 - unpickling errors vary
+                d = None
+        if d is None:
             d = {}
             d["train_x"], d["train_y"] = _decode_folder(root / "train", classes)
             d["test_x"], d["test_y"] = _decode_folder(root / "test", classes)
@@ -135,6 +154,8 @@ def load_data(name: str, data_dir: str, subset: int = 0, test_subset: int = 0) -
     elif name == "imagefolder":
         tx, ty, vx, vy, classes = _imagefolder(Path(data_dir))
     elif name == "synthetic":
+        if subset > SYNTHETIC_MAX:  # checked before drawing: the set is generated at the --subset size
+            raise DataError(f"--subset {subset} exceeds the largest synthetic set ({SYNTHETIC_MAX} images)")
         tx, ty, vx, vy, classes = _synthetic(max(subset, SYNTHETIC_TRAIN), SYNTHETIC_TEST)
     else:
         raise DataError(f"unknown data set {name!r}")

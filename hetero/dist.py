@@ -66,8 +66,8 @@ def apply_cpu_budget(threads: int, cores: set[int] | None, device: str) -> None:
         os.sched_setaffinity(0, cores)
     if threads:
         torch.set_num_threads(threads)
-    elif cores:
-        torch.set_num_threads(len(cores))
+    elif cores:  # the cores actually granted: the kernel drops those outside this job's cpuset
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
     elif not resolve_device(device).startswith("cuda"):
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))

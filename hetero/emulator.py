@@ -50,7 +50,7 @@ def _window(text: str) -> tuple[str, int, int | None]:
     m = re.fullmatch(r"cycle=(\d+)/(\d+)", text)
     if m:
         period, on = int(m[1]), int(m[2])
-        if period <= 0 or on > period:
+        if not 0 < on <= period:
             raise ValueError(f"window {text!r}: need 0 < ON <= P")
         return ("cycle", period, on)
     m = re.fullmatch(r"(s?)(\d+)-(\d*)", text)

@@ -12,6 +12,7 @@ and a failed or timed-out run is recorded in grid.csv while the grid carries on.
 """
 from __future__ import annotations
 
+import difflib
 import itertools
 import json
 import os
@@ -24,7 +25,7 @@ from typing import Any
 
 import pandas as pd
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, type_problem
 from .launch import run_logged, torchrun_cmd
 
 GRID_KEYS = ("grid", "nproc", "runs_root", "run_timeout_s")  # grid-level parameters; the rest are Config fields
@@ -85,14 +86,15 @@ def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_
     """Expand and validate a grid; raises GridError listing every bad run. Nothing is launched or written."""
     unknown = sorted(set(config) - set(CONFIG_KEYS))
     managed = sorted(set(config) & set(_MANAGED))
-    problems = [f"unknown parameter {k!r} (not a Config field nor one of {', '.join(GRID_KEYS)})" for k in unknown]
+    problems = [_unknown(k) for k in unknown]
     problems += [f"parameter {k!r} is set by the grid per run; leave it out" for k in managed]
-    if not grid or slug(grid) != grid:
+    if not isinstance(grid, str) or not grid or slug(grid) != grid:
         problems.append(f"grid name {grid!r} must be a non-empty folder name of letters, digits, '.', '_', '-'")
-    if not (isinstance(nproc, int) and nproc >= 1):
-        problems.append(f"nproc must be a positive integer (got {nproc!r})")
-    if not run_timeout_s > 0:
-        problems.append(f"run_timeout_s must be positive (got {run_timeout_s!r})")
+    if not (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1):
+        problems.append(f"nproc must be a positive whole number (got {nproc!r})")
+    if not (isinstance(run_timeout_s, (int, float)) and not isinstance(run_timeout_s, bool) and run_timeout_s > 0):
+        problems.append(f"run_timeout_s must be a positive number of seconds (got {run_timeout_s!r})")
+    problems += _type_problems({k: v for k, v in config.items() if k in CONFIG_KEYS and k not in _MANAGED})
     if problems:
         raise GridError("\n".join(problems))
     models = _as_list(config.pop("model", Config.model))
@@ -109,7 +111,7 @@ def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_
     extra_axes = {k: v for k, v in config.items() if isinstance(v, (list, tuple))}
     fixed = {k: v for k, v in config.items() if k not in extra_axes}
     root = Path(runs_root) / grid
-    runs, seen = [], {}
+    runs, seen, host_problems = [], {}, set()
     for seed, model, scheme, *extra in itertools.product(seeds, models, schemes, *extra_axes.values()):
         for spec in per_model[model]:
             swept = dict(zip(extra_axes, extra))
@@ -128,6 +130,13 @@ def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_
             except (ConfigError, TypeError) as e:
                 problems.append(f"{name}: {e}")
                 continue
+            try:
+                cfg.check_host(range(nproc), nproc)  # the grid launches every run on this host
+            except ConfigError as e:  # the same for many runs: said once
+                if str(e) not in host_problems:
+                    host_problems.add(str(e))
+                    problems.append(f"{name}: {e}")
+                continue
             problems += _conflict(run_dir, cfg)
             runs.append(Run(name, run_dir, cfg))
     if problems:
@@ -135,6 +144,25 @@ def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_
     params = {"grid": grid, "nproc": nproc, "runs_root": str(runs_root), "run_timeout_s": run_timeout_s,
               "model": models, "hetero": hetero, "scheme": schemes, "seed": seeds, **config}
     return Grid(grid, root, tuple(runs), nproc, float(run_timeout_s), params)
+
+
+def _unknown(name: str) -> str:
+    near = difflib.get_close_matches(name, PARAMETERS, n=1)
+    return (f"unknown parameter {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+            + f": not a Config field nor one of {', '.join(GRID_KEYS)}")
+
+
+def _type_problems(config: dict[str, Any]) -> list[str]:
+    """One line per field holding a value of the wrong type (in a list: the first such value), named."""
+    problems = []
+    for name, value in config.items():
+        values = [v for vs in value.values() for v in _as_list(vs)] if name == "hetero" and isinstance(value, dict) \
+            else _as_list(value)
+        for v in values:
+            if problem := type_problem(name, _coerce(name, v)):
+                problems.append(problem)
+                break
+    return problems
 
 
 def _conflict(run_dir: Path, cfg: Config) -> list[str]:
@@ -248,6 +276,13 @@ def plan_from(namespace: dict[str, Any]) -> Grid:
     """plan() from a notebook's variables (those named like a grid parameter or a Config field); a relative
     runs_root is relative to the repository root, wherever the kernel started."""
     params = {k: v for k, v in namespace.items() if k in PARAMETERS}
+    # A notebook holds other variables too, so only a near miss of a parameter's name (papermill's `-p epochz 3`,
+    # a typo in the parameters cell) can be told from them.
+    near = [_unknown(k) for k, v in namespace.items() if k not in PARAMETERS and not k.startswith("_")
+            and isinstance(v, (bool, int, float, str, list, tuple, dict))
+            and difflib.get_close_matches(k, PARAMETERS, 1, cutoff=0.75)]
+    if near:
+        raise GridError("\n".join(near))
     root = Path(params.get("runs_root", "runs"))
     params["runs_root"] = root if root.is_absolute() else Path(__file__).resolve().parents[1] / root
     return plan(**params)
@@ -256,3 +291,54 @@ def plan_from(namespace: dict[str, Any]) -> Grid:
 def failures(table: pd.DataFrame) -> pd.DataFrame:
     """The runs of a grid table that did not complete, with their errors."""
     return table.loc[table["status"] != "completed", ["run", "status", "error", "log"]]
+
+
+def read_parameters(files: list[str], yamls: list[str], pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Papermill's parameters from its -f files, -y texts and -p pairs, merged in papermill's order (so `make grid`
+    checks exactly what the notebook will get)."""
+    import yaml
+    from papermill.cli import _resolve_type
+    from papermill.iorw import NoDatesSafeLoader
+
+    params: dict[str, Any] = {}
+    for source, text in [*[(f, None) for f in files], *[("-y", y) for y in yamls]]:
+        try:
+            loaded = yaml.load(Path(source).read_text() if text is None else text, Loader=NoDatesSafeLoader)
+        except OSError as e:
+            raise GridError(f"cannot read the parameter file {source} ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise GridError(f"{source}: not YAML ({' '.join(str(e).split())})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise GridError(f"{source}: expected name: value lines, got a {type(loaded).__name__}")
+        params.update(loaded or {})
+    params.update({name: _resolve_type(value) for name, value in pairs})
+    return params
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hetero.grid --check -f PARAMS.yaml [-y YAML] [-p NAME VALUE]`: plan the grid papermill would run
+    and print its problems as plain lines (exit 2), or its size (exit 0). Launches and writes nothing."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m hetero.grid", allow_abbrev=False,
+                                description="Check a grid's parameters (as papermill would pass them to grid.ipynb).")
+    p.add_argument("--check", action="store_true", required=True, help="plan and validate only (the only mode)")
+    p.add_argument("-f", dest="files", action="append", default=[], help="a YAML parameter file")
+    p.add_argument("-y", dest="yamls", action="append", default=[], help="YAML text of parameters")
+    p.add_argument("-p", dest="pairs", action="append", nargs=2, default=[], metavar=("NAME", "VALUE"))
+    ns = p.parse_args(argv)
+    try:
+        params = read_parameters(ns.files, ns.yamls, ns.pairs)
+        root = Path(params.get("runs_root", "runs"))
+        params["runs_root"] = root if root.is_absolute() else Path(__file__).resolve().parents[1] / root
+        g = plan(**{"grid": "grid", **params})
+    except GridError as e:
+        for line in str(e).splitlines():
+            print(f"hetero: error: {line}", file=sys.stderr)
+        return 2
+    print(f"grid {g.name}: {len(g.runs)} runs of {g.nproc} ranks in {g.root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

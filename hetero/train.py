@@ -38,6 +38,7 @@ from .models import build_model
 from .balancer import Balancer
 from .memory import probe_max_batch, shared_gpus
 from .partition import SCHEMES, check_feasible
+from .resume import relay_cosine, resumed_config
 from .runlog import RunFolder, check_run_dir
 from .sampler import EpochPlan
 from .seeding import AUGMENT, epoch_seed
@@ -184,6 +185,8 @@ class Trainer:
         self.model.load_state_dict(s["model"])
         self.opt.load_state_dict(s["optimizer"])
         self.sched.load_state_dict(s["scheduler"])
+        if self.sched.T_max != self.cfg.epochs:  # --epochs changed on resume
+            relay_cosine(self.opt, self.sched, s["epoch"], self.cfg.epochs)
         self.balancer.load_state_dict(s["balancer"])
         self.epoch, self.train_time_s, self.global_step = s["epoch"], s["train_time_s"], s["global_step"]
         self.history = s["history"]
@@ -382,18 +385,23 @@ def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
     return Config(**{**cfg.to_dict(), "run_dir": run_dir, "overwrite": overwrite and not resume}), resume
 
 
+# A rank other than its node's local rank 0 that fails a check waits this long (s) before exiting, since torchrun
+# stops every worker as soon as one exits: the speaker, slower to import, would be stopped before it printed.
+QUIET_WAIT_S = 60.0
+
+
 def main(argv: list[str] | None = None) -> int:
-    rank, world_size, _ = env_world()
-    say = (lambda msg: print(f"hetero: error: {msg}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    rank, world_size, local_rank = env_world()
+    # Every rank checks the same things; one per node says so (the nodes' consoles are apart), before any group.
+    say = (lambda msg: print(f"hetero: error: {msg}", file=sys.stderr, flush=True)) if local_rank == 0 \
+        else (lambda m: None)
     try:
         cfg, ns = parse_args(argv)
         if cfg.resume:  # continue with the recorded configuration
-            saved = RunFolder(Path(cfg.resume)).read_json("config.json")["config"] \
-                if (Path(cfg.resume) / "config.json").exists() else None
-            if saved is None:
-                raise ConfigError(f"cannot resume {cfg.resume}: it holds no config.json")
-            cfg = Config(**{**saved, "resume": cfg.resume, "run_dir": cfg.resume, "overwrite": False})
+            cfg = resumed_config(cfg, ns.given, world_size)
         cfg.check_world(world_size)
+        first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
+        cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
         cfg, resume = resolve_run_dir(cfg)
         if rank == 0:
             check_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
@@ -408,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.check:
             return 0
     except (ConfigError, DataError) as e:
+        if local_rank != 0:  # the node's speaker fails the same check: let it print before torchrun stops it
+            time.sleep(QUIET_WAIT_S)
+            print(f"hetero: error: rank {rank}: {e}", file=sys.stderr, flush=True)  # it did not: say it here
         say(e)
         return 2
     device = cfg.for_rank("device", rank, world_size)

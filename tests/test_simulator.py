@@ -1,4 +1,4 @@
-"""The simulator: its mechanics, the issue's claims (affine within 2% of the optimum after its first rebalance,
+"""The simulator: its mechanics, the claims of the README (affine within 2% of the optimum after its first rebalance,
 the paper's rule needing epochs), the paper's own numbers, changing speeds, stability, 4096 workers, notebook."""
 from pathlib import Path
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from hetero.partition import affine_batch_sizes, batch_sizes
-from hetero.simulator import Scenario, benchmark, compare, simulate, sweep
+from hetero.simbench import benchmark
+from hetero.simulator import Scenario, compare, simulate, stability, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 

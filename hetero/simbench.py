@@ -1,0 +1,76 @@
+"""The simulator's benchmark: affine against the paper's rule for 2, 16 and 1024 workers, and 4096-worker timings.
+
+    python -m hetero.simbench [--noise 0.02]     # = make sim-bench [NOISE=0.02]; seconds, deterministic at noise 0
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import pandas as pd
+
+from .bench import decision_times
+from .measure import markdown_table
+from .simulator import Scenario, compare
+
+
+def benchmark(worlds=(2, 16, 1024), epochs: int = 40, steps_per_epoch: int = 50, per_rank_batch: int = 512,
+              noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
+    """Per world size: affine's step time after its first rebalance over the optimum, and the epochs each scheme
+    needs to come within 2% of it. 2 workers: the paper's VGG16 setting (its GPUs' costs, 10 ms delay on worker 1,
+    global batch 256); more: mixed H200-class hardware, per_rank_batch samples each."""
+    rows = []
+    for n in worlds:
+        if n == 2:
+            sc, B = Scenario.uniform(2, hetero="1:delay=0.01", noise=noise), 256
+        else:
+            sc, B = Scenario.mixed(n, seed=seed, noise=noise), per_rank_batch * n
+        t0 = time.perf_counter()
+        runs = compare(sc, ("sync", "dp", "affine"), global_batch=B, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                       seed=seed)
+        wall = time.perf_counter() - t0
+        dp, af = runs["dp"], runs["affine"]
+        rows.append({"workers": n, "global_batch": B, "optimum_ms": 1e3 * af.optimum_s.mean(),
+                     "sync_over_opt": runs["sync"].ratio.mean(),
+                     "affine_after_first": af.after_first_rebalance(),
+                     "affine_epochs_to_2pct": af.epochs_to_within(0.02),
+                     "dp_epochs_to_2pct": dp.epochs_to_within(0.02),
+                     "dp_epoch2_over_opt": dp.epochs_frame()["ratio"].iloc[1],
+                     "dp_final_over_opt": dp.epochs_frame()["ratio"].iloc[-1],
+                     "sim_wall_s": wall})
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hetero.simbench", description=__doc__.split("\n")[0])
+    p.add_argument("--epochs", type=int, default=40)
+    p.add_argument("--steps-per-epoch", type=int, default=50)
+    p.add_argument("--noise", type=float, default=0.0, help="relative std of each rank's compute time per step")
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args(argv)
+    if ns.epochs < 2 or ns.steps_per_epoch < 1 or ns.noise < 0:
+        p.error("need --epochs >= 2, --steps-per-epoch >= 1 and --noise >= 0")
+    df = benchmark(epochs=ns.epochs, steps_per_epoch=ns.steps_per_epoch, noise=ns.noise, seed=ns.seed)
+    ep = lambda v: f">{ns.epochs}" if v is None or pd.isna(v) else str(int(v))  # noqa: E731
+    print(f"Simulated {ns.epochs} epochs of {ns.steps_per_epoch} steps, noise {ns.noise:g}; step times relative "
+          f"to the optimum (1.000 = optimal).")
+    print("\n".join(markdown_table(
+        ["workers", "global batch", "optimum step", "sync", "affine after 1st rebalance", "affine epochs to 2%",
+         "dp epochs to 2%", "dp epoch 2", "dp last epoch", "sim wall"],
+        [[r.workers, r.global_batch, f"{r.optimum_ms:.2f} ms", f"{r.sync_over_opt:.3f}", f"{r.affine_after_first:.3f}",
+          ep(r.affine_epochs_to_2pct), ep(r.dp_epochs_to_2pct), f"{r.dp_epoch2_over_opt:.3f}",
+          f"{r.dp_final_over_opt:.3f}", f"{r.sim_wall_s:.2f} s"] for r in df.itertuples()])))
+    d = {rule: min(decision_times(rule, 4096, steps=50, repeats=(7, 7))) for rule in ("affine", "proportional")}
+    t0 = time.perf_counter()
+    big = compare(Scenario.mixed(4096, seed=ns.seed, noise=ns.noise), ("sync", "dp", "affine"),
+                  global_batch=128 * 4096, epochs=10, steps_per_epoch=ns.steps_per_epoch, seed=ns.seed)
+    wall = time.perf_counter() - t0
+    print(f"\n4096 workers: one observe+decide of a 50-step window takes {1e3 * d['affine']:.1f} ms (affine), "
+          f"{1e3 * d['proportional']:.1f} ms (proportional), fastest of 7; three schemes x 10 epochs x "
+          f"{ns.steps_per_epoch} steps simulate in {wall:.1f} s (affine after its first rebalance: "
+          f"{big['affine'].after_first_rebalance():.3f} x optimum).")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

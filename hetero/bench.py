@@ -6,7 +6,6 @@ one rebalancing decision for 2 to 4096 workers.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -20,7 +19,7 @@ import numpy as np
 from . import overhead
 from .balancer import Balancer
 from .launch import ROOT, clean_env, torchrun_cmd
-from .measure import LaunchError, add_speedup_vs_sync, launch, markdown_table, run_meta, steady_epochs
+from .measure import CliParser, LaunchError, add_speedup_vs_sync, launch, markdown_table, run_meta, steady_epochs
 from .partition import SCHEMES, affine_batch_sizes, batch_sizes, predicted_step_s
 
 PARTS = ("balance", "overhead", "balancer")
@@ -51,8 +50,10 @@ class Suite:
     def __post_init__(self):
         if not 1 <= self.steady_from <= self.epochs or self.overhead_epochs < 2:
             raise ValueError("need 1 <= steady_from <= epochs and overhead_epochs >= 2")
-        if self.batch_per_rank < 4 or self.steps < 1:
-            raise ValueError("need batch_per_rank >= 4 and steps >= 1")
+        if self.batch_per_rank < 4 or self.steps < 1 or self.repeats < 1:
+            raise ValueError("need batch_per_rank >= 4, steps >= 1 and repeats >= 1")
+        if not self.worlds or min(self.worlds) < 2 or not self.slowdowns or min(self.slowdowns) < 1:
+            raise ValueError("need worlds of at least 2 ranks and slowdowns of at least 1")
         if bad := [s for s in self.schemes if s not in SCHEMES]:
             raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
         if bad := [p for p in self.parts if p not in PARTS]:
@@ -274,15 +275,26 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     return res
 
 
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+def floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(","))
+
+
+def names(text: str) -> tuple[str, ...]:
+    return tuple(v for v in text.split(",") if v)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetero.bench", description=__doc__.split("\n\n")[0])
+    p = CliParser(prog="python -m hetero.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 ranks only, sync/dp/edp, shorter runs, one overhead pair")
     p.add_argument("--out", default="", help="output folder (default runs/bench/<time>)")
-    ints = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
     p.add_argument("--worlds", type=ints, help="rank counts, e.g. 2,4")
-    p.add_argument("--slowdowns", type=lambda s: tuple(float(v) for v in s.split(",")), help="e.g. 2,4")
-    p.add_argument("--schemes", type=lambda s: tuple(s.split(",")), help="e.g. sync,dp,edp,affine")
-    p.add_argument("--parts", type=lambda s: tuple(s.split(",")), help=",".join(PARTS))
+    p.add_argument("--slowdowns", type=floats, help="e.g. 2,4")
+    p.add_argument("--schemes", type=names, help="e.g. sync,dp,edp,affine")
+    p.add_argument("--parts", type=names, help=",".join(PARTS))
     p.add_argument("--epochs", type=int)
     p.add_argument("--steady-from", type=int)
     p.add_argument("--batch-per-rank", type=int, help="global batch = this x ranks")

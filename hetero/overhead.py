@@ -5,7 +5,6 @@ data tensor, batch, optimiser and DDP options, measured side by side in the same
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .launch import clean_env, torchrun_cmd
-from .measure import launch
+from .measure import CliParser, launch
 
 
 def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0) -> None:
@@ -102,7 +101,7 @@ def measure(out: Path, repeats: int, subset: int, global_batch: int, epochs: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetero.overhead", description=__doc__.split("\n")[0])
+    p = CliParser(prog="python -m hetero.overhead", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON file for the epoch times (rank 0 writes it)")
     p.add_argument("--subset", type=int, required=True, help="synthetic training samples")
     p.add_argument("--global-batch", type=int, required=True)

@@ -4,13 +4,12 @@
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import pandas as pd
 
 from .bench import decision_times
-from .measure import markdown_table
+from .measure import CliParser, markdown_table
 from .simulator import Scenario, compare
 
 
@@ -42,7 +41,7 @@ def benchmark(worlds=(2, 16, 1024), epochs: int = 40, steps_per_epoch: int = 50,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetero.simbench", description=__doc__.split("\n")[0])
+    p = CliParser(prog="python -m hetero.simbench", description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=40)
     p.add_argument("--steps-per-epoch", type=int, default=50)
     p.add_argument("--noise", type=float, default=0.0, help="relative std of each rank's compute time per step")

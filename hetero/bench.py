@@ -16,8 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import overhead
-from .balancer import Balancer
+from . import overhead, simbench
 from .launch import ROOT, clean_env, torchrun_cmd
 from .measure import CliParser, LaunchError, add_speedup_vs_sync, launch, markdown_table, run_meta, steady_epochs
 from .partition import SCHEMES, affine_batch_sizes, batch_sizes, predicted_step_s
@@ -164,37 +163,6 @@ def balance(suite: Suite, out: Path, calib: tuple[float, float], notes: list[str
     return rows
 
 
-# -- 3. balancer decision time --------------------------------------------------------------------------------
-def decision_times(rule: str, workers: int, steps: int = 16, repeats: tuple[int, int] = (3, 50),
-                   budget_s: float = 0.3) -> list[float]:
-    """Wall times (s) of one decision (observe a [steps, workers] window of noisy affine costs, then decide):
-    repeats[0] of them, and more up to repeats[1] while their sum is under budget_s."""
-    rng = np.random.default_rng(workers)
-    fixed, per = rng.uniform(2e-3, 8e-3, workers), rng.uniform(1e-4, 4e-4, workers)
-    times: list[float] = []
-    while len(times) < repeats[0] or (sum(times) < budget_s and len(times) < repeats[1]):
-        bal = Balancer(rule, workers, 32 * workers)
-        sizes = np.stack([bal.sizes_for_step(s) for s in range(steps)])  # affine probes two sizes
-        compute = (fixed + per * sizes) * rng.lognormal(0, 0.05, sizes.shape)
-        t0 = time.perf_counter()
-        bal.observe(sizes, compute)
-        bal.decide()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def balancer_cost(workers: tuple[int, ...]) -> list[dict]:
-    """Median time (ms) of one decision per rule and number of workers (32 samples per worker)."""
-    rows = []
-    for rule in ("proportional", "affine"):
-        for n in workers:
-            times = decision_times(rule, n)
-            rows.append({"rule": rule, "schemes": [s for s, v in SCHEMES.items() if v.rule == rule],
-                         "workers": n, "global_batch": 32 * n, "decision_ms": 1e3 * float(np.median(times)),
-                         "min_ms": 1e3 * min(times), "repeats": len(times)})
-    return rows
-
-
 # -- the report -----------------------------------------------------------------------------------------------
 def checks(res: dict) -> list[dict]:
     """The suite's targets (README: benchmarks), each with the measured value and whether it passes."""
@@ -267,7 +235,7 @@ def run(suite: Suite, out: Path, command: str) -> dict:
                                            suite.overhead_epochs, res["notes"])
     if "balancer" in suite.parts:
         print("bench: balancer decisions", flush=True)
-        res["balancer"] = balancer_cost(suite.workers)
+        res["balancer"] = simbench.balancer_cost(suite.workers)
     res["meta"].update(wall_s=time.perf_counter() - t0, load_avg_end=os.getloadavg())
     res["checks"] = checks(res)
     (out / "bench.json").write_text(json.dumps(res, indent=1))
@@ -275,26 +243,22 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     return res
 
 
-def ints(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(","))
-
-
-def floats(text: str) -> tuple[float, ...]:
-    return tuple(float(v) for v in text.split(","))
-
-
-def names(text: str) -> tuple[str, ...]:
-    return tuple(v for v in text.split(",") if v)
+def listed(kind: type):
+    """An argparse type for comma-separated values of `kind`: "2,4" -> (2, 4)."""
+    def parse(text: str) -> tuple:
+        return tuple(kind(v) for v in text.split(",") if v)
+    parse.__name__ = f"comma-separated {kind.__name__}"
+    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
     p = CliParser(prog="python -m hetero.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="2 ranks only, sync/dp/edp, shorter runs, one overhead pair")
     p.add_argument("--out", default="", help="output folder (default runs/bench/<time>)")
-    p.add_argument("--worlds", type=ints, help="rank counts, e.g. 2,4")
-    p.add_argument("--slowdowns", type=floats, help="e.g. 2,4")
-    p.add_argument("--schemes", type=names, help="e.g. sync,dp,edp,affine")
-    p.add_argument("--parts", type=names, help=",".join(PARTS))
+    p.add_argument("--worlds", type=listed(int), help="rank counts, e.g. 2,4")
+    p.add_argument("--slowdowns", type=listed(float), help="e.g. 2,4")
+    p.add_argument("--schemes", type=listed(str), help="e.g. sync,dp,edp,affine")
+    p.add_argument("--parts", type=listed(str), help=",".join(PARTS))
     p.add_argument("--epochs", type=int)
     p.add_argument("--steady-from", type=int)
     p.add_argument("--batch-per-rank", type=int, help="global batch = this x ranks")

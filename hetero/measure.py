@@ -102,12 +102,16 @@ def cpu_name() -> str:
         return platform.processor() or "unknown CPU"
 
 
+def provenance() -> dict:
+    """What a run's results depend on besides its config: host, git commit and dirtiness, library versions."""
+    return {"host": socket.gethostname(), "git_commit": git("rev-parse", "HEAD") or "unknown",
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")), "versions": versions()}
+
+
 def run_meta(command: str = "") -> dict:
-    """Where and with what a measurement ran: date, host, CPU, cores, load average, git commit, versions."""
-    return {"date": datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname(), "cpu": cpu_name(),
-            "cores": os.cpu_count(), "load_avg_start": os.getloadavg(), "git_commit": git("rev-parse", "HEAD")
-            or "unknown", "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "versions": versions(), "command": command}
+    """Where and with what a measurement ran: provenance(), date, CPU, cores, load average and the command."""
+    return {"date": datetime.now().isoformat(timespec="seconds"), **provenance(), "cpu": cpu_name(),
+            "cores": os.cpu_count(), "load_avg_start": os.getloadavg(), "command": command}
 
 
 def markdown_table(header: list[str], rows: list[list]) -> list[str]:

@@ -1,4 +1,5 @@
-"""The simulator's benchmark: affine against the paper's rule for 2, 16 and 1024 workers, and 4096-worker timings.
+"""Benchmarks without processes: the simulated balancers against the optimum for 2, 16 and 1024 workers, and the
+time of one rebalancing decision for up to 4096 workers (also part 3 of `make bench`).
 
     python -m hetero.simbench [--noise 0.02]     # = make sim-bench [NOISE=0.02]; seconds, deterministic at noise 0
 """
@@ -6,10 +7,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pandas as pd
 
-from .bench import decision_times
+from .balancer import Balancer
 from .measure import CliParser, markdown_table
+from .partition import SCHEMES
 from .simulator import Scenario, compare
 
 
@@ -38,6 +41,36 @@ def benchmark(worlds=(2, 16, 1024), epochs: int = 40, steps_per_epoch: int = 50,
                      "dp_final_over_opt": dp.epochs_frame()["ratio"].iloc[-1],
                      "sim_wall_s": wall})
     return pd.DataFrame(rows)
+
+
+def decision_times(rule: str, workers: int, steps: int = 16, repeats: tuple[int, int] = (3, 50),
+                   budget_s: float = 0.3) -> list[float]:
+    """Wall times (s) of one decision (observe a [steps, workers] window of noisy affine costs, then decide):
+    repeats[0] of them, and more up to repeats[1] while their sum is under budget_s."""
+    rng = np.random.default_rng(workers)
+    fixed, per = rng.uniform(2e-3, 8e-3, workers), rng.uniform(1e-4, 4e-4, workers)
+    times: list[float] = []
+    while len(times) < repeats[0] or (sum(times) < budget_s and len(times) < repeats[1]):
+        bal = Balancer(rule, workers, 32 * workers)
+        sizes = np.stack([bal.sizes_for_step(s) for s in range(steps)])  # affine probes two sizes
+        compute = (fixed + per * sizes) * rng.lognormal(0, 0.05, sizes.shape)
+        t0 = time.perf_counter()
+        bal.observe(sizes, compute)
+        bal.decide()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def balancer_cost(workers: tuple[int, ...]) -> list[dict]:
+    """Median time (ms) of one decision per rule and number of workers (32 samples per worker)."""
+    rows = []
+    for rule in ("proportional", "affine"):
+        for n in workers:
+            times = decision_times(rule, n)
+            rows.append({"rule": rule, "schemes": [s for s, v in SCHEMES.items() if v.rule == rule],
+                         "workers": n, "global_batch": 32 * n, "decision_ms": 1e3 * float(np.median(times)),
+                         "min_ms": 1e3 * min(times), "repeats": len(times)})
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, _env
 
 from hetero import measure
-from hetero.bench import decision_times
+from hetero.simbench import decision_times
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:

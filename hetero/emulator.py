@@ -8,7 +8,8 @@ Grammar (README has examples): items separated by ",", each `RANK:EFFECT[@WINDOW
   WINDOW  A-B | A-         epochs A..B (1-based, inclusive; open-ended without B)
           sA-B | sA-       global steps A..B (0-based, counted over the whole run)
           cycle=P/ON       in every P global steps, active during the first ON (an on/off noisy neighbour)
-A rank may carry several items; their delays add up.
+A rank may carry several items; their delays add up. `active`, `mean_effects` and `sample_effects` are the one
+implementation of the effects, vectorised over steps: the trainer's Emulator and the simulator both call them.
 """
 from __future__ import annotations
 
@@ -25,11 +26,13 @@ _ITEM = re.compile(r"^(\d+):(delay|exp|gamma|slowdown)=([^@]+)(?:@(.+))?$")
 
 @dataclass(frozen=True)
 class Effect:
+    """One item of the grammar: params in seconds (a factor for slowdown); window None = always on."""
     kind: str                 # delay, exp, gamma, slowdown
     params: tuple[float, ...]
     window: tuple[str, int, int | None] | None = None  # ("epoch"|"step"|"cycle", a, b)
 
     def active(self, epoch: int, step: int) -> bool:
+        """Whether the effect is on at this global step (0-based) of this epoch (1-based)."""
         return bool(active([self], epoch, np.array([step]))[0, 0])
 
 
@@ -107,8 +110,7 @@ def mean_effects(effects: list[Effect]) -> tuple[np.ndarray, np.ndarray]:
 
 def sample_effects(effects: list[Effect], on: np.ndarray, compute_s: np.ndarray,
                    rng: np.random.Generator) -> np.ndarray:
-    """[effects, steps] seconds each effect adds (0 where off), given each step's compute_s [steps]. Random
-    effects draw one value per active step, effect by effect in step order (nothing for an exp of mean 0)."""
+    """[effects, steps] s each effect adds given compute_s [steps]: 0 where off, one draw per active step if random."""
     factor, mean = mean_effects(effects)
     out = (factor[:, None] * np.asarray(compute_s, float)[None, :] + mean[:, None]) * on
     for k, e in enumerate(effects):

@@ -18,9 +18,7 @@ from .simulator import Scenario, compare
 
 def benchmark(worlds=(2, 16, 1024), epochs: int = 40, steps_per_epoch: int = 50, per_rank_batch: int = 512,
               noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
-    """Per world size: affine's step time after its first rebalance over the optimum, and the epochs each scheme
-    needs to come within 2% of it. 2 workers: the paper's VGG16 setting (its GPUs' costs, 10 ms delay on worker 1,
-    global batch 256); more: mixed H200-class hardware, per_rank_batch samples each."""
+    """One row per world size: step time over the optimum, epochs to within 2% (README: make sim-bench, settings)."""
     rows = []
     for n in worlds:
         if n == 2:

@@ -114,7 +114,8 @@ sim-notebook: $(STAMP)  ## the balancers notebook on simulated scenarios, into r
 # into runs/bench/<time>/bench.json and table.md. make gpu-check [OUT=file.json] runs on a GPU machine with its own
 # python3 and torch. Each knob is the flag of the same name: QUICK=1 --quick, OUT= --out.
 QUICK ?=
-OUT ?=
+# OUT from the command line only: an OUT in the environment (a common name) must not redirect the output
+OUT :=
 .PHONY: bench gpu-check
 
 bench: $(STAMP)  ## benchmarks on CPU ranks (~8 min on 2 cores; QUICK=1 ~3 min): runs/bench/<time>/bench.json

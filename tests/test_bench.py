@@ -119,3 +119,15 @@ def test_bad_input_is_one_line_and_status_2(argv):
     p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("hetero: error: ") and p.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("target,knobs,module", [("bench", {"QUICK": "1", "OUT": "x"}, "hetero.bench"),
+                                                 ("sim-bench", {"NOISE": "0.02"}, "hetero.simbench")])
+def test_make_knobs_are_the_flags_of_the_same_name(target, knobs, module):
+    make = subprocess.run(["make", "-n", target, "STAMP=", *(f"{k}={v}" for k, v in knobs.items())], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60).stdout
+    helptext = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=_env(), capture_output=True,
+                              text=True, timeout=60).stdout
+    for k, v in knobs.items():
+        flag = "--" + k.lower().replace("_", "-")
+        assert (f"{flag} {v}" if k != "QUICK" else flag) in make and flag in helptext

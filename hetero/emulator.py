@@ -13,6 +13,7 @@ implementation of the effects, vectorised over steps: the trainer's Emulator and
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -103,22 +104,27 @@ def active(effects: list[Effect], epoch: int, steps: np.ndarray) -> np.ndarray:
 
 
 def mean_effects(effects: list[Effect]) -> tuple[np.ndarray, np.ndarray]:
-    """Per effect, (factor, delay_s): on average it adds factor x compute_s + delay_s seconds to a step."""
+    """Per effect, (factor, delay_s): on average it adds factor x compute_s + delay_s seconds to a step (read-only)."""
+    return _mean_effects(tuple(effects))
+
+
+@functools.lru_cache(maxsize=256)  # the trainer asks once per step for the same effects
+def _mean_effects(effects: tuple[Effect, ...]) -> tuple[np.ndarray, np.ndarray]:
     pairs = [_MEAN[e.kind](e.params) for e in effects]
-    return np.array([f for f, _ in pairs], float), np.array([d for _, d in pairs], float)
+    out = np.array([f for f, _ in pairs], float), np.array([d for _, d in pairs], float)
+    for a in out:
+        a.setflags(write=False)
+    return out
 
 
 def sample_effects(effects: list[Effect], on: np.ndarray, compute_s: np.ndarray,
                    rng: np.random.Generator) -> np.ndarray:
     """[effects, steps] s each effect adds given compute_s [steps]: 0 where off, one draw per active step if random."""
     factor, mean = mean_effects(effects)
-    out = (factor[:, None] * np.asarray(compute_s, float)[None, :] + mean[:, None]) * on
+    out = (factor[:, None] * np.asarray(compute_s, float) + mean[:, None]) * on
     for k, e in enumerate(effects):
-        n = int(on[k].sum())
-        if e.kind == "exp" and e.params[0] > 0 and n:
-            out[k, on[k]] = rng.exponential(e.params[0], n)
-        elif e.kind == "gamma" and n:
-            out[k, on[k]] = rng.gamma(e.params[0], e.params[1], n)
+        if e.kind in ("exp", "gamma") and (e.kind == "gamma" or e.params[0] > 0) and (n := int(on[k].sum())):
+            out[k, on[k]] = rng.exponential(e.params[0], n) if e.kind == "exp" else rng.gamma(*e.params, n)
     return out
 
 

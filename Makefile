@@ -23,7 +23,7 @@ FIELDS := MODEL SCHEME HETERO EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTU
 	OVERWRITE RESUME REPLAY EVAL_BATCH AFFINITY BF16 CHANNELS_LAST SIT_OUT
 # Every other variable make takes; one given on the command line that is in neither list is refused (EPOCH=3).
 SETTINGS := NPROC NNODES NODE_RANK RDZV_ENDPOINT RDZV_ID PYTHON VENV PARAMS GRID REPORT_DIR RUNS TARGET_TOP1 \
-	RUN_TIMEOUT_S LAB_ARGS SIM_NOISE QUICK GPU_CHECK_OUT
+	RUN_TIMEOUT_S LAB_ARGS NOISE QUICK OUT
 UNKNOWN := $(filter-out $(FIELDS) $(SETTINGS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 ifneq ($(UNKNOWN),)
 $(error hetero: error: unknown make variable $(foreach v,$(UNKNOWN),$(v)$(if $(filter $(v)%,$(FIELDS) $(SETTINGS)), (did \
@@ -112,15 +112,15 @@ demo: $(STAMP)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slowe
 
 # --- simulator ---
 # The step simulator (hetero/simulator.py): no processes, no torch.distributed; seconds on a laptop.
-# make sim-bench [SIM_NOISE=0.02]: affine vs the paper's rule for 2, 16 and 1024 workers, and 4096-worker timings.
-# make sim-notebook: notebooks/balancers.ipynb (paper delays, slowdowns, random delays, changing speeds) executed
-# into runs/sim/balancers.ipynb and rendered to runs/sim/balancers.html.
-SIM_NOISE ?= 0
-export SIM_NOISE
+# make sim-bench [NOISE=0.02]: python -m hetero.simbench --noise 0.02, affine vs the paper's rule for 2, 16 and 1024
+# workers, and 4096-worker timings. make sim-notebook: notebooks/balancers.ipynb (paper delays, slowdowns, random
+# delays, changing speeds) executed into runs/sim/balancers.ipynb and rendered to runs/sim/balancers.html.
+NOISE ?= 0
+export NOISE
 .PHONY: sim-bench sim-notebook
 
-sim-bench: $(STAMP)  ## simulator benchmark: affine vs the paper's rule, 2/16/1024 workers (~10 s)
-	$(BIN)/python -m hetero.simulator --noise "$$SIM_NOISE"
+sim-bench: $(STAMP)  ## simulator benchmark: affine vs the paper's rule, 2/16/1024 workers (~10 s; NOISE=)
+	$(BIN)/python -m hetero.simbench --noise "$$NOISE"
 
 sim-notebook: $(STAMP)  ## the balancers notebook on simulated scenarios, into runs/sim/balancers.html (~1 min)
 	mkdir -p runs/sim
@@ -130,18 +130,20 @@ sim-notebook: $(STAMP)  ## the balancers notebook on simulated scenarios, into r
 # --- end simulator ---
 
 # --- benchmarks ---
-# make bench [QUICK=1]: the benchmark suite, measured side by side on CPU ranks (hetero/bench.py), into
-# runs/bench/<time>/bench.json and table.md. make gpu-check runs on a GPU machine with its own python3 and torch.
+# make bench [QUICK=1] [OUT=dir]: the benchmark suite on CPU ranks (python -m hetero.bench [--quick] [--out dir]),
+# into runs/bench/<time>/bench.json and table.md. make gpu-check [OUT=file.json] runs on a GPU machine with its own
+# python3 and torch. Each knob is the flag of the same name: QUICK=1 --quick, OUT= --out.
 QUICK ?=
-GPU_CHECK_OUT ?= runs/gpu_check.json
-export GPU_CHECK_OUT
+# OUT from the command line only: an OUT in the environment (a common name) must not redirect the output
+OUT :=
+export OUT
 .PHONY: bench gpu-check
 
-bench: $(STAMP)  ## benchmarks on CPU ranks (~8 min on 2 cores; QUICK=1 ~2 min): runs/bench/<time>/bench.json
-	$(BIN)/python -m hetero.bench $(if $(QUICK),--quick)
+bench: $(STAMP)  ## benchmarks on CPU ranks (~8 min on 2 cores; QUICK=1 ~3 min): runs/bench/<time>/bench.json
+	$(BIN)/python -m hetero.bench $(if $(QUICK),--quick) $${OUT:+--out "$$OUT"}
 
-gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): GPU_CHECK_OUT (.json and .md)
-	$(PYTHON) scripts/gpu_check.py --out "$$GPU_CHECK_OUT"
+gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): OUT=runs/gpu_check.json (and .md)
+	$(PYTHON) scripts/gpu_check.py --out "$${OUT:-runs/gpu_check.json}"
 # --- end benchmarks ---
 
 clean-venv:  ## remove the virtual environment

@@ -8,10 +8,12 @@ Grammar (README has examples): items separated by ",", each `RANK:EFFECT[@WINDOW
   WINDOW  A-B | A-         epochs A..B (1-based, inclusive; open-ended without B)
           sA-B | sA-       global steps A..B (0-based, counted over the whole run)
           cycle=P/ON       in every P global steps, active during the first ON (an on/off noisy neighbour)
-A rank may carry several items; their delays add up.
+A rank may carry several items; their delays add up. `active`, `mean_effects` and `sample_effects` are the one
+implementation of the effects, vectorised over steps: the trainer's Emulator and the simulator both call them.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -25,18 +27,14 @@ _ITEM = re.compile(r"^(\d+):(delay|exp|gamma|slowdown)=([^@]+)(?:@(.+))?$")
 
 @dataclass(frozen=True)
 class Effect:
+    """One item of the grammar: params in seconds (a factor for slowdown); window None = always on."""
     kind: str                 # delay, exp, gamma, slowdown
     params: tuple[float, ...]
     window: tuple[str, int, int | None] | None = None  # ("epoch"|"step"|"cycle", a, b)
 
     def active(self, epoch: int, step: int) -> bool:
-        if self.window is None:
-            return True
-        kind, a, b = self.window
-        if kind == "cycle":
-            return step % a < b
-        at = epoch if kind == "epoch" else step
-        return at >= a and (b is None or at <= b)
+        """Whether the effect is on at this global step (0-based) of this epoch (1-based)."""
+        return bool(active([self], epoch, np.array([step]))[0, 0])
 
 
 def _number(text: str) -> float:
@@ -84,6 +82,52 @@ def parse_hetero(spec: str) -> dict[int, list[Effect]]:
     return out
 
 
+# What each effect adds to a step, in one place: (factor on the step's compute, mean delay in seconds).
+_MEAN = {"delay": lambda p: (0.0, p[0]), "exp": lambda p: (0.0, p[0]), "gamma": lambda p: (0.0, p[0] * p[1]),
+         "slowdown": lambda p: (p[0] - 1.0, 0.0)}
+
+
+def active(effects: list[Effect], epoch: int, steps: np.ndarray) -> np.ndarray:
+    """[effects, steps] bool: which effects are on at these global steps (0-based) of this epoch (1-based)."""
+    steps = np.asarray(steps)
+    out = np.ones((len(effects), len(steps)), bool)
+    for k, e in enumerate(effects):
+        if e.window is None:
+            continue
+        kind, a, b = e.window
+        if kind == "cycle":
+            out[k] = steps % a < b
+        else:
+            at = np.full(len(steps), epoch) if kind == "epoch" else steps
+            out[k] = (at >= a) & (True if b is None else at <= b)
+    return out
+
+
+def mean_effects(effects: list[Effect]) -> tuple[np.ndarray, np.ndarray]:
+    """Per effect, (factor, delay_s): on average it adds factor x compute_s + delay_s seconds to a step (read-only)."""
+    return _mean_effects(tuple(effects))
+
+
+@functools.lru_cache(maxsize=256)  # the trainer asks once per step for the same effects
+def _mean_effects(effects: tuple[Effect, ...]) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [_MEAN[e.kind](e.params) for e in effects]
+    out = np.array([f for f, _ in pairs], float), np.array([d for _, d in pairs], float)
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
+def sample_effects(effects: list[Effect], on: np.ndarray, compute_s: np.ndarray,
+                   rng: np.random.Generator) -> np.ndarray:
+    """[effects, steps] s each effect adds given compute_s [steps]: 0 where off, one draw per active step if random."""
+    factor, mean = mean_effects(effects)
+    out = (factor[:, None] * np.asarray(compute_s, float) + mean[:, None]) * on
+    for k, e in enumerate(effects):
+        if e.kind in ("exp", "gamma") and (e.kind == "gamma" or e.params[0] > 0) and (n := int(on[k].sum())):
+            out[k, on[k]] = rng.exponential(e.params[0], n) if e.kind == "exp" else rng.gamma(*e.params, n)
+    return out
+
+
 class Emulator:
     """The effects on one global rank; delay_s() is called once per step, when the rank's gradients are ready."""
 
@@ -102,16 +146,8 @@ class Emulator:
 
     def delay_s(self, epoch: int, step: int, compute_s: float) -> float:
         """Seconds to wait at this step, given the step's own compute time so far (for slowdown)."""
-        total = 0.0
-        for e in self.effects:
-            if not e.active(epoch, step):
-                continue
-            if e.kind == "delay":
-                total += e.params[0]
-            elif e.kind == "exp":
-                total += self.rng.exponential(e.params[0]) if e.params[0] > 0 else 0.0
-            elif e.kind == "gamma":
-                total += self.rng.gamma(e.params[0], e.params[1])
-            else:
-                total += (e.params[0] - 1.0) * compute_s
-        return total
+        if not self.effects:
+            return 0.0
+        each = sample_effects(self.effects, active(self.effects, epoch, np.array([step])), np.array([compute_s]),
+                              self.rng)
+        return float(sum(each[:, 0].tolist(), 0.0))  # in the order of the spec, as the effects add up

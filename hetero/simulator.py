@@ -4,17 +4,12 @@ Rank i computes a step of batch b in (fixed_s_i + per_sample_s_i * b) seconds, t
 plus the emulator's effects on that rank (`--hetero` grammar: delay, exp, gamma, slowdown, with epoch, step and
 cycle windows). A step lasts as long as its slowest rank; the others idle. The scheme's Balancer, the very class
 the trainer uses, sees each rank's own time and re-decides at the same points as the trainer: every
-rebalance_every steps and at each epoch end. Vectorised over ranks and over the steps between decisions, so
-4096 workers run in seconds.
-
-    python -m hetero.simulator          # the benchmark table: affine vs the paper's rule, and decision time
-
-The optimum at each step is the step time of the oracle: the minimax-optimal integer sizes for the ranks' true
-mean costs at that step, run through the same noise and delay draws.
+rebalance_every steps and at each epoch end. The optimum at each step is the step time of the oracle: the
+minimax-optimal integer sizes for the ranks' true mean costs at that step, under the same noise and delay draws.
+Vectorised over ranks and over the steps between decisions (README: the simulator; its benchmark: hetero.simbench).
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from .balancer import Balancer
+from .emulator import active as emulator_windows, mean_effects, parse_hetero, sample_effects
 from .partition import SCHEMES, affine_batch_sizes, step_times
 
 # Step costs (fixed s per step, s per sample) of CIFAR models: on one H200 (PAPER.md), and on the paper's GPUs as
@@ -46,8 +42,9 @@ class Scenario:
         self.noise = np.broadcast_to(np.asarray(self.noise, float), self.fixed_s.shape).copy()
         if np.any(self.fixed_s < 0) or np.any(self.per_sample_s <= 0) or np.any(self.noise < 0):
             raise ValueError("need fixed_s >= 0, per_sample_s > 0 and noise >= 0 on every rank")
-        self.effects = _parse(self.hetero) if self.hetero else []
-        if any(r >= self.world for r, _ in self.effects):
+        pairs = [(r, e) for r, es in sorted(parse_hetero(self.hetero).items()) for e in es]
+        self.ranks, self.effects = [r for r, _ in pairs], [e for _, e in pairs]
+        if any(r >= self.world for r in self.ranks):
             raise ValueError(f"hetero {self.hetero!r} names a rank outside the {self.world} workers")
 
     @property
@@ -69,47 +66,28 @@ class Scenario:
         fixed = a * rng.uniform(1, 2, n) + 0.5 * a * (rng.random(n) < 0.25)
         return cls(fixed, c * rng.uniform(1, 4, n), **kw)
 
-    def _active(self, epoch: int, global_steps: np.ndarray) -> np.ndarray:
-        """[effects, steps] which effects are on at these steps (the emulator's windows)."""
-        out = np.ones((len(self.effects), len(global_steps)), bool)
-        for k, (_, e) in enumerate(self.effects):
-            if e.window is not None:
-                out[k] = [e.active(epoch, int(g)) for g in global_steps]
-        return out
+    def mean_costs(self, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """True mean fixed and per-sample costs [n] (s) with the effects flagged in `on` [effects] (the oracle's)."""
+        factor, mean = mean_effects(self.effects)
+        slow, delay = self._per_rank((factor * on)[:, None])[0], self._per_rank((mean * on)[:, None])[0]
+        return self.fixed_s * (1 + slow) + delay, self.per_sample_s * (1 + slow)
 
-    def mean_costs(self, active: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """True mean fixed and per-sample costs [n] with the given effects on (for the oracle)."""
-        slow, delay = np.ones(self.world), np.zeros(self.world)
-        for (rank, e), on in zip(self.effects, active):
-            if on:
-                if e.kind == "slowdown":
-                    slow[rank] += e.params[0] - 1
-                else:
-                    delay[rank] += {"delay": e.params[0], "exp": e.params[0]}.get(e.kind, np.prod(e.params))
-        return self.fixed_s * slow + delay, self.per_sample_s * slow
-
-    def draw(self, rng: np.random.Generator, active: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Random parts of a block of steps: noise [steps, n], slowdown factor [steps, n], delay [steps, n] (s)."""
-        steps = active.shape[1]
-        sigma = self.noise
+    def draw(self, rng: np.random.Generator, on: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For a block of steps, [steps, n] each: the noise on compute (mean 1), the factor on compute (1 + the
+        slowdowns) and the delay (s); on: [effects, steps], the emulator's windows."""
+        steps, sigma = on.shape[1], self.noise
         noise = np.exp(sigma * rng.standard_normal((steps, self.world)) - sigma ** 2 / 2) if sigma.any() \
             else np.ones((steps, self.world))
-        slow, delay = np.ones((steps, self.world)), np.zeros((steps, self.world))
-        for (rank, e), on in zip(self.effects, active):
-            if e.kind == "slowdown":
-                slow[:, rank] += (e.params[0] - 1) * on
-            elif e.kind == "delay":
-                delay[:, rank] += e.params[0] * on
-            elif e.kind == "exp":
-                delay[:, rank] += rng.exponential(e.params[0], steps) * on if e.params[0] > 0 else 0.0
-            else:
-                delay[:, rank] += rng.gamma(e.params[0], e.params[1], steps) * on
-        return noise, slow, delay
+        factor, _ = mean_effects(self.effects)
+        delay = sample_effects(self.effects, on, np.zeros(steps), rng)  # no compute: the delays alone
+        return noise, 1 + self._per_rank(factor[:, None] * on), self._per_rank(delay)
 
-
-def _parse(spec: str) -> list:
-    from .emulator import parse_hetero  # the trainer's grammar; imported only when a scenario uses it
-    return [(rank, e) for rank, effects in sorted(parse_hetero(spec).items()) for e in effects]
+    def _per_rank(self, each: np.ndarray) -> np.ndarray:
+        """[effects, steps] -> [steps, n]: the effects of each rank added up."""
+        out = np.zeros((each.shape[1], self.world))
+        for k, rank in enumerate(self.ranks):
+            out[:, rank] += each[k]
+        return out
 
 
 @dataclass
@@ -186,7 +164,7 @@ def simulate(scenario: Scenario, scheme: str, global_batch: int, epochs: int, st
         for lo, hi in zip([0, *cuts], [*cuts, steps_per_epoch]):
             g0 = (epoch - 1) * steps_per_epoch + lo
             g = np.arange(g0, g0 + hi - lo)
-            active = scenario._active(epoch, g)
+            active = emulator_windows(scenario.effects, epoch, g)
             sizes = np.stack([bal.sizes_for_step(s) for s in range(lo, hi)])
             noise, slow, delay = scenario.draw(rng, active)
             t = step_times(scenario.fixed_s, scenario.per_sample_s, sizes) * noise * slow + delay * (sizes > 0)
@@ -216,92 +194,30 @@ def compare(scenario: Scenario, schemes=("sync", "dp", "affine"), **kw) -> dict[
     return {s: simulate(scenario, s, **kw) for s in schemes}
 
 
-def sweep(scenarios: dict[str, Scenario], schemes=("sync", "dp", "affine"), per: str = "epoch",
-          **kw) -> pd.DataFrame:
-    """Every scheme on every named scenario: one tidy frame (per="epoch", "step" or "share"), column scenario."""
+def sweep(scenarios: dict[str, Scenario], schemes=("sync", "dp", "affine"), per: str = "epoch", *,
+          variants: dict[str, dict] | None = None, rolling: int = 0, **kw) -> pd.DataFrame:
+    """Every scheme on every named scenario: one tidy frame (per="epoch", "step" or "share"), column scenario;
+    with variants {label: settings}, each set of settings over kw too (column variant); rolling: a rolling mean of
+    the ratio over that many rows of each (scenario, scheme, variant)."""
     frames = []
-    for name, sc in scenarios.items():
-        for scheme, res in compare(sc, schemes, **kw).items():
-            df = {"epoch": res.epochs_frame, "step": res.steps_frame, "share": res.shares_frame}[per]()
-            frames.append(df.assign(scenario=name))
-    return pd.concat(frames, ignore_index=True)
+    for label, extra in (variants or {"": {}}).items():
+        for name, sc in scenarios.items():
+            for scheme, res in compare(sc, schemes, **{**kw, **extra}).items():
+                df = {"epoch": res.epochs_frame, "step": res.steps_frame, "share": res.shares_frame}[per]()
+                frames.append(df.assign(scenario=name, **({"variant": label} if variants else {})))
+    df = pd.concat(frames, ignore_index=True)
+    if rolling:
+        keys = ["scenario", "scheme"] + ["variant"] * bool(variants)
+        df["ratio"] = df.groupby(keys)["ratio"].transform(lambda r: r.rolling(rolling, 1).mean())
+    return df
 
 
-def decision_time_s(world: int = 4096, steps: int = 50, repeats: int = 7, seed: int = 0) -> dict[str, float]:
-    """Wall time (s) of one observe+decide of each dynamic rule for `world` ranks (the fastest of `repeats`)."""
-    sc = Scenario.mixed(world, seed=seed)
-    out = {}
-    for rule in ("proportional", "affine"):
-        best = np.inf
-        for _ in range(repeats):
-            bal = Balancer(rule, world, 64 * world)
-            sizes = np.stack([bal.sizes_for_step(s) for s in range(steps)])
-            t = step_times(sc.fixed_s, sc.per_sample_s, sizes)
-            t0 = time.perf_counter()
-            bal.observe(sizes, t)
-            bal.decide()
-            best = min(best, time.perf_counter() - t0)
-        out[rule] = best
-    return out
-
-
-def benchmark(worlds=(2, 16, 1024), epochs: int = 40, steps_per_epoch: int = 50, per_rank_batch: int = 512,
-              noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
-    """The issue's table: per world size, affine's step time after its first rebalance over the optimum, and
-    the epochs each scheme needs to come within 2% of the optimum. Two workers: the paper's VGG16 setting
-    (its GPUs' costs, 10 ms delay on worker 1, global batch 256); more: mixed H200-class hardware."""
-    rows = []
-    for n in worlds:
-        if n == 2:
-            sc, B = Scenario.uniform(2, hetero="1:delay=0.01", noise=noise), 256
-        else:
-            sc, B = Scenario.mixed(n, seed=seed, noise=noise), per_rank_batch * n
-        t0 = time.perf_counter()
-        runs = compare(sc, ("sync", "dp", "affine"), global_batch=B, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                       seed=seed)
-        wall = time.perf_counter() - t0
-        dp, af = runs["dp"], runs["affine"]
-        rows.append({"workers": n, "global_batch": B, "optimum_ms": 1e3 * af.optimum_s.mean(),
-                     "sync_over_opt": runs["sync"].ratio.mean(),
-                     "affine_after_first": af.after_first_rebalance(),
-                     "affine_epochs_to_2pct": af.epochs_to_within(0.02),
-                     "dp_epochs_to_2pct": dp.epochs_to_within(0.02),
-                     "dp_epoch2_over_opt": dp.epochs_frame()["ratio"].iloc[1],
-                     "dp_final_over_opt": dp.epochs_frame()["ratio"].iloc[-1],
-                     "sim_wall_s": wall})
+def stability(scenario: Scenario, schemes=("dp", "affine"), smoothing=(0.0, 0.5), deadband=(0.0, 0.02),
+              skip: int = 100, **kw) -> pd.DataFrame:
+    """One row per (scheme, smoothing, deadband): how many decisions changed the sizes, and the mean step time
+    over the optimum after the first `skip` steps."""
+    rows = [{"scheme": scheme, "smoothing": sm, "deadband": db, "size changes": len(r.decisions),
+             "step / optimum": round(float(r.ratio[skip:].mean()), 4)}
+            for scheme in schemes for sm in smoothing for db in deadband
+            for r in [simulate(scenario, scheme, smoothing=sm, deadband=db, **kw)]]
     return pd.DataFrame(rows)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hetero.simulator", description=__doc__.split("\n")[0])
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--steps-per-epoch", type=int, default=50)
-    p.add_argument("--noise", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    ns = p.parse_args(argv)
-    df = benchmark(epochs=ns.epochs, steps_per_epoch=ns.steps_per_epoch, noise=ns.noise, seed=ns.seed)
-    never = f">{ns.epochs}"
-    print(f"Simulated {ns.epochs} epochs of {ns.steps_per_epoch} steps, noise {ns.noise:g}; step times relative "
-          f"to the optimum (1.000 = optimal).")
-    print("| workers | global batch | optimum step | sync | affine after 1st rebalance | affine epochs to 2% "
-          "| dp epochs to 2% | dp epoch 2 | dp last epoch | sim wall |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in df.itertuples():
-        ep = lambda v: never if v is None or pd.isna(v) else str(int(v))  # noqa: E731
-        print(f"| {r.workers} | {r.global_batch} | {r.optimum_ms:.2f} ms | {r.sync_over_opt:.3f} | "
-              f"{r.affine_after_first:.3f} | {ep(r.affine_epochs_to_2pct)} | {ep(r.dp_epochs_to_2pct)} | "
-              f"{r.dp_epoch2_over_opt:.3f} | {r.dp_final_over_opt:.3f} | {r.sim_wall_s:.2f} s |")
-    d = decision_time_s(4096)
-    t0 = time.perf_counter()
-    big = compare(Scenario.mixed(4096, seed=ns.seed, noise=ns.noise), ("sync", "dp", "affine"),
-                  global_batch=128 * 4096, epochs=10, steps_per_epoch=ns.steps_per_epoch, seed=ns.seed)
-    wall = time.perf_counter() - t0
-    print(f"\n4096 workers: one observe+decide of a {50}-step window takes {1e3 * d['affine']:.1f} ms (affine), "
-          f"{1e3 * d['proportional']:.1f} ms (proportional), fastest of 7; three schemes x 10 epochs x "
-          f"{ns.steps_per_epoch} steps simulate in {wall:.1f} s (affine after its first rebalance: "
-          f"{big['affine'].after_first_rebalance():.3f} x optimum).")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

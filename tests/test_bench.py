@@ -1,5 +1,6 @@
-"""Smoke tests of the benchmark suite (python -m hetero.bench) and the GPU check (scripts/gpu_check.py --smoke)
-at their smallest sizes on CPU: they run, write their files, and their ratios are sane. No absolute times."""
+"""The measurement toolkit (hetero.measure), and smoke tests of the benchmark suite (python -m hetero.bench) and the
+GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
+ratios are sane. No absolute times."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, _env
+
+from hetero import measure
+from hetero.simbench import decision_times
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -24,7 +29,7 @@ def test_bench_quickest(tmp_path):
               "--overhead-epochs", "2", "--max-workers", "16"], timeout=240)
     res = json.loads((out / "bench.json").read_text())
     assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
-    assert res["meta"]["plan"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.bench")
+    assert res["meta"]["suite"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.bench")
 
     (r,) = res["balance"]
     assert (r["world"], r["slowdown"], r["scheme"], r["speedup_vs_sync"]) == (2, 3.0, "edp", None)
@@ -69,3 +74,65 @@ def test_gpu_check_smoke(tmp_path):
     d = res["delay"]  # two ranks, rank 1 delayed 20 ms a step: the delay is part of its recorded compute
     assert "error" not in d and d["delay_s"][0] == 0 and math.isclose(d["delay_s"][1], 0.02) and d["steps"] == 8
     assert d["compute_s"][1] >= d["delay_s"][1]
+
+
+def test_launch_keeps_the_log_and_names_it_with_its_tail(tmp_path):
+    log, py = tmp_path / "logs" / "x.log", sys.executable
+    with pytest.raises(measure.LaunchError, match=r"exited 3 \(log .*x.log\):\n(.|\n)*out of cheese"):
+        measure.launch([py, "-c", "print('hello'); print('out of cheese'); raise SystemExit(3)"], log, 60)
+    assert log.read_text().splitlines()[1:] == ["hello", "out of cheese"] and log.read_text().startswith(py)
+    done, notes = tmp_path / "done.json", []
+    done.write_text(json.dumps({"status": "completed"}))
+    measure.launch([py, "-c", "raise SystemExit(1)"], log, 60, done=done, notes=notes)  # work done: kept
+    assert len(notes) == 1 and "exited 1 after finishing" in notes[0]
+    with pytest.raises(measure.LaunchError, match="ran past 1 s"):
+        measure.launch([py, "-c", "import time; time.sleep(30)"], log, 1)
+
+
+def test_steady_epochs_speedup_and_tables(tmp_path):
+    (tmp_path / "epochs.csv").write_text("epoch,epoch_time_s,steps\n1,9.0,4\n2,2.0,4\n3,4.0,4\n4,3.0,4\n")
+    assert [r["epoch"] for r in measure.steady_epochs(tmp_path, 3)] == ["3", "4"]
+    assert measure.steady_epoch_s(tmp_path) == 3.0 and measure.steady_epoch_s(tmp_path, 9) == 3.5  # short: all
+    rows = [{"scheme": "dp", "epoch_s": 2.0}, {"scheme": "sync", "epoch_s": 3.0}, {"scheme": "edp"}]
+    measure.add_speedup_vs_sync(rows)
+    assert [r["speedup_vs_sync"] for r in rows] == [1.5, 1.0, None]
+    no_sync = [{"scheme": "dp", "epoch_s": 2.0}]
+    measure.add_speedup_vs_sync(no_sync)
+    assert no_sync[0]["speedup_vs_sync"] is None
+    assert measure.markdown_table(["a", "b"], [[1, "x"]]) == ["| a | b |", "|---|---|", "| 1 | x |"]
+
+
+def test_run_meta_names_the_commit_and_versions():
+    meta = measure.run_meta("cmd")
+    assert meta["command"] == "cmd" and len(meta["git_commit"]) == 40
+    assert {"python", "hetero", "numpy"} <= set(meta["versions"]) and meta["cores"] >= 1
+
+
+def test_decision_times_repeat_within_their_bounds():
+    times = decision_times("affine", 64, steps=8, repeats=(2, 4), budget_s=1e-9)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert len(decision_times("proportional", 8, repeats=(3, 3))) == 3
+
+
+@pytest.mark.parametrize("argv", [["hetero.bench", "--worlds", "1"], ["hetero.bench", "--parts", "x"],
+                                  ["hetero.bench", "--slowdowns", "two"], ["hetero.simbench", "--noise", "-1"],
+                                  ["hetero.overhead", "--out", "x", "--subset", "1", "--global-batch", "4",
+                                   "--epochs", "3"]])
+def test_bad_input_is_one_line_and_status_2(argv):
+    p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("hetero: error: ") and p.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("target,knobs,module", [("bench", {"QUICK": "1", "OUT": "x"}, "hetero.bench"),
+                                                 ("sim-bench", {"NOISE": "0.02"}, "hetero.simbench")])
+def test_make_knobs_are_the_flags_of_the_same_name(target, knobs, module):
+    make = subprocess.run(["make", "-n", target, "STAMP=", *(f"{k}={v}" for k, v in knobs.items())], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60).stdout
+    helptext = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=_env(), capture_output=True,
+                              text=True, timeout=60).stdout
+    for k, v in knobs.items():
+        flag = "--" + k.lower().replace("_", "-")
+        # values reach the shell through the environment (a quote in a value runs nothing), flags keep the names
+        assert (f'{flag} "${k}"' in make or f'{flag} "${k}"' in make.replace("${" + k + ":+", "")
+                if k != "QUICK" else flag in make) and flag in helptext

@@ -1,4 +1,4 @@
-"""The simulator: its mechanics, the issue's claims (affine within 2% of the optimum after its first rebalance,
+"""The simulator: its mechanics, the claims of the README (affine within 2% of the optimum after its first rebalance,
 the paper's rule needing epochs), the paper's own numbers, changing speeds, stability, 4096 workers, notebook."""
 from pathlib import Path
 
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from hetero.partition import affine_batch_sizes, batch_sizes
-from hetero.simulator import Scenario, benchmark, compare, simulate, sweep
+from hetero.simbench import benchmark
+from hetero.simulator import Scenario, compare, simulate, stability, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,3 +134,34 @@ def test_balancers_notebook_runs(tmp_path, monkeypatch):
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == 5  # each once (plots.show closes what it displayed), each with alternative text
     assert all(o.metadata["image/png"]["alt"].startswith(("Step time", "Mean step time")) for o in images)
+
+
+def test_the_simulator_and_the_trainer_share_one_emulator():
+    from hetero.emulator import Emulator
+    spec = "0:gamma=2/0.01@s3-7, 0:delay=0.005@cycle=4/1, 0:slowdown=2@s5-, 0:delay=0.5@2-"
+    sc = Scenario([0.01], [1e-4], hetero=spec)
+    r = simulate(sc, "sync", global_batch=8, epochs=1, steps_per_epoch=12, seed=3)
+    emu = Emulator(spec, rank=0, seed=0)
+    emu.rng = np.random.default_rng(3)  # the simulator's generator (no noise: the effects draw first)
+    compute = 0.01 + 1e-4 * 8
+    expected = [compute + emu.delay_s(1, s, compute) for s in range(12)]
+    assert r.step_s == pytest.approx(expected, rel=1e-12)
+    assert len(set(r.step_s[3:8])) == 5 and r.step_s[0] == pytest.approx(compute + 0.005)  # gamma draws, cycle
+
+
+def test_sweep_variants_and_rolling_mean():
+    sc = {"a": Scenario.uniform(2, hetero="1:delay=0.01")}
+    kw = dict(global_batch=64, epochs=2, steps_per_epoch=10)
+    raw = sweep(sc, ("sync",), per="step", **kw)
+    df = sweep(sc, ("sync", "affine"), per="step", variants={"epoch": {}, "every 5": dict(rebalance_every=5)},
+               rolling=4, **kw)
+    assert set(df["variant"]) == {"epoch", "every 5"} and len(df) == 2 * 2 * 20
+    sync = df.query("variant == 'epoch' and scheme == 'sync'")["ratio"].to_numpy()
+    assert sync == pytest.approx(raw["ratio"].rolling(4, 1).mean().to_numpy())
+
+
+def test_stability_table():
+    df = stability(Scenario.mixed(4, noise=0.05), global_batch=256, epochs=3, steps_per_epoch=20,
+                   rebalance_every=5, skip=20)
+    assert len(df) == 8 and list(df.columns[:3]) == ["scheme", "smoothing", "deadband"]
+    assert (df["size changes"] >= 0).all() and (df["step / optimum"] >= 1).all()

@@ -23,7 +23,7 @@ FIELDS := MODEL SCHEME HETERO EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTU
 	OVERWRITE RESUME REPLAY EVAL_BATCH AFFINITY BF16 CHANNELS_LAST SIT_OUT
 # Every other variable make takes; one given on the command line that is in neither list is refused (EPOCH=3).
 SETTINGS := NPROC NNODES NODE_RANK RDZV_ENDPOINT RDZV_ID PYTHON VENV PARAMS GRID REPORT_DIR RUNS TARGET_TOP1 \
-	RUN_TIMEOUT_S LAB_ARGS NOISE QUICK OUT
+	RUN_TIMEOUT_S LAB_ARGS NOISE QUICK OUT STAMP
 UNKNOWN := $(filter-out $(FIELDS) $(SETTINGS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 ifneq ($(UNKNOWN),)
 $(error hetero: error: unknown make variable $(foreach v,$(UNKNOWN),$(v)$(if $(filter $(v)%,$(FIELDS) $(SETTINGS)), (did \

@@ -102,7 +102,7 @@ def _imagefolder(root: Path) -> tuple:
     cache = cache_dir / f"imagefolder-{hashlib.sha1(stamp.encode()).hexdigest()[:16]}.pt"
     with _locked(cache_dir / ".hetero.lock"):
         if cache.exists():
-            d = torch.load(cache)
+            d = torch.load(cache, weights_only=True)
         else:
             d = {}
             d["train_x"], d["train_y"] = _decode_folder(root / "train", classes)

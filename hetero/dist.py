@@ -68,26 +68,29 @@ def apply_cpu_budget(threads: int, cores: set[int] | None, device: str) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_interface() -> str:
+    """The loopback interface's name: lo on Linux, lo0 on macOS and the BSDs."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
 def setup(devices: list[str], backend: str, timeout_s: float) -> World:
     """Join (or, outside torchrun, create a one-rank) process group. devices: every global rank's device, so all
     ranks agree on the backend: nccl when every rank has a GPU, gloo otherwise (CPU and mixed jobs)."""
     rank, world, local_rank = env_world()
-    if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     dev = pick_device(devices[rank], local_rank)
     if backend == "auto":
         backend = "nccl" if all(resolve_device(d).startswith("cuda") for d in devices) else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    # torchrun keeps its store across restarts: keys of the previous attempt (a dead rank's address) would be read
-    # by the new one and its connections refused. Each attempt gets a key space of its own.
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-    store = dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
+        # an in-process store: a TCPStore would listen on every interface; gloo's own socket stays on loopback
+        store = dist.HashStore()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    else:
+        # torchrun keeps its store across restarts: keys of the previous attempt (a dead rank's address) would be
+        # read by the new one and its connections refused. Each attempt gets a key space of its own.
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        store = dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout,
                             device_id=dev if backend == "nccl" else None)
     return World(rank, world, local_rank, dev, backend)

@@ -245,7 +245,8 @@ def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:
                         continue
                 row.update(launched=True, returncode=rc, wall_s=round(time.perf_counter() - t0, 1))
                 done = state(run.run_dir) == "completed"
-                if rc == 2 and (_busy(Path(row["log"])) or done):  # another job had it: trained once, elsewhere
+                # refused (torchrun turns the trainer's 2 into 1) because another job had it: trained elsewhere
+                if rc not in (0, None) and (_busy(Path(row["log"])) or done):
                     row["status"], row["error"] = ("completed", "") if done else \
                         ("busy", "run folder in use by another job: skipped")
                 else:

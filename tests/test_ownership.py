@@ -160,3 +160,77 @@ def test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them(tmp
     epochs = read_run(run)["epochs"].epoch.tolist()
     assert epochs == [1, 2, 3, 4], epochs
     assert read_run(run)["summary"]["status"] == "completed"
+
+
+GRID = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_batch=64, device="cpu",
+            scheme="sync", hetero="")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
+    import threading
+
+    import hetero.grid as hg
+
+    g = hg.plan(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=60, **{**GRID, "epochs": 1000})
+    seen, stopped = set(), []
+
+    def stop_rank_1():  # the run's processes carry its folder on their command line
+        needle = str(g.runs[0].run_dir).encode()
+        t0 = time.time()
+        while not stopped and time.time() - t0 < 60:
+            for entry in os.scandir("/proc"):
+                try:
+                    if entry.name.isdigit() and needle in open(f"/proc/{entry.name}/cmdline", "rb").read():
+                        seen.add(int(entry.name))
+                        if b"RANK=1\0" in open(f"/proc/{entry.name}/environ", "rb").read() and not stopped:
+                            time.sleep(3)  # past its start, into training
+                            os.kill(int(entry.name), signal.SIGSTOP)
+                            stopped.append(int(entry.name))
+                except OSError:
+                    continue
+            time.sleep(0.2)
+    watcher = threading.Thread(target=stop_rank_1)
+    watcher.start()
+    table = hg.run_grid(g, progress=False)
+    watcher.join()
+    assert stopped and len(seen) >= 3  # torchrun and both ranks were seen
+    assert table.loc[0, "status"] == "timeout"
+    # stop_launch waits until they are gone: nothing may be left once run_grid returns
+    assert [pid for pid in seen if _alive(pid)] == []
+
+
+def test_two_identical_grids_at_once_train_each_run_once(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = (f"from hetero.grid import plan, run_grid; run_grid(plan(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
+            f"seed=[0, 1], epochs=2, **{GRID!r}), progress=False)")
+    env = {**_env(), "TMPDIR": str(tmp)}
+    grids = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=900)[0] for p in grids]
+    assert [p.returncode for p in grids] == [0, 0], outs
+    root = tmp_path / "x"
+    tables = [pd.read_csv(root / "grid.csv", keep_default_na=False)]  # the last grid's table (both write it)
+    runs = sorted(p.parent for p in root.glob("*/config.json"))
+    assert len(runs) == 2
+    logs = sorted((root / "logs").glob("*.log"))
+    for run in runs:
+        r = read_run(run)
+        assert r["epochs"].epoch.tolist() == [1, 2] and r["summary"]["status"] == "completed"
+        assert r["summary"]["epochs_completed"] == 2
+        trained = [log for log in logs if log.name.startswith(run.name) and "hetero: done" in log.read_text()]
+        assert len(trained) == 1, [log.read_text()[-2000:] for log in logs]  # trained once, its log kept
+    for log in logs:  # one launch per log: never two jobs' output in one file
+        text = log.read_text()
+        assert text.count("run folder") <= 1 and text.count("hetero: done") <= 1, text[-2000:]
+    assert set(tables[0]["status"]) <= {"completed", "busy"}, tables[0][["status", "error"]].to_string()
+    assert "failed" not in "".join(outs)
+    assert not list(tmp.glob("torchelastic_*"))  # torchrun's log folders are not left in the temp directory

@@ -226,7 +226,7 @@ class RunFolder:
         _atomic_write(self.path / CHECKPOINT, lambda fh: torch.save(state, fh))
 
     def load_checkpoint(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-        """The checkpoint, loaded with weights_only=True (no code runs) and checked; ConfigError in one line."""
+        """The checkpoint, loaded with weights_only=True (no code runs); ConfigError in one line."""
         path = self.path / CHECKPOINT
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)
@@ -236,6 +236,11 @@ class RunFolder:
                               f"(it could run code){': ' + what[:160] if what else ''}") from None
         except (OSError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, KeyError) as e:
             raise ConfigError(f"cannot resume: {path} is corrupt or truncated ({type(e).__name__})") from None
+        return state
+
+    def load_trainer_checkpoint(self) -> dict[str, Any]:
+        """load_checkpoint, then checked to hold what Trainer.load_state_dict reads; ConfigError in one line."""
+        state, path = self.load_checkpoint(), self.path / CHECKPOINT
         missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
         if missing:
             raise ConfigError(f"cannot resume: {path} is not a hetero checkpoint (no {', '.join(missing)})")

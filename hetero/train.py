@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # the folder's lock before anything is written into it; held until this process ends
             lock = claim_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
             if resume:  # loaded and checked now, so a bad checkpoint fails in one line before any process group
-                saved_state = RunFolder(Path(cfg.run_dir)).load_checkpoint()
+                saved_state = RunFolder(Path(cfg.run_dir)).load_trainer_checkpoint()
         data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
         if cfg.global_batch > len(data.train_y):
             raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")

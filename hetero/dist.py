@@ -82,10 +82,10 @@ def setup(devices: list[str], backend: str, timeout_s: float) -> World:
     if backend == "auto":
         backend = "nccl" if all(resolve_device(d).startswith("cuda") for d in devices) else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
-        # an in-process store: a TCPStore would listen on every interface; gloo's own socket stays on loopback
-        store = dist.HashStore()
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:  # one host: gloo's sockets on loopback only
         os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
+        store = dist.HashStore()  # in-process: a TCPStore would listen on every interface
     else:
         # torchrun keeps its store across restarts: keys of the previous attempt (a dead rank's address) would be
         # read by the new one and its connections refused. Each attempt gets a key space of its own.

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pandas as pd
+import psutil
 import pytest
 import torch
 
@@ -106,7 +107,7 @@ def test_disk_full_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, c
     real_save, calls = torch.save, []
 
     def save(obj, fh):  # the second checkpoint hits a full disk half-way through
-        calls.append(1)
+        calls.append(_listening(os.getpid()))  # mid-run: the one-process path listens on loopback at most
         if len(calls) == 2:
             fh.write(b"x" * 1000)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -125,6 +126,15 @@ def test_disk_full_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, c
     assert summary["status"] == "failed" and "disk full" in summary["error"] and summary["epochs_completed"] == 2
     assert RunFolder(run).load_checkpoint()["epoch"] == 1
     assert not list(run.glob(".*.tmp"))
+    assert not [ip for ip in calls[0] if ip not in LOOPBACK], calls[0]
+
+
+LOOPBACK = ("127.0.0.1", "::1")
+
+
+def _listening(pid):
+    """The addresses process pid listens on (TCP)."""
+    return [c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
 
 
 def _workers(marker):
@@ -141,7 +151,9 @@ def test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them(tmp
     while not ((run / "epochs.csv").exists() and len(pd.read_csv(run / "epochs.csv")) >= 1):
         assert proc.poll() is None and time.time() - t0 < 240
         time.sleep(0.1)
-    assert len([p for p in _workers(marker) if p != proc.pid]) == 2  # the two ranks (and torchrun itself)
+    ranks = [p for p in _workers(marker) if p != proc.pid]
+    assert len(ranks) == 2  # the two ranks (and torchrun itself)
+    assert not [ip for p in ranks for ip in _listening(p) if ip not in LOOPBACK]  # one host: gloo on loopback
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group only
     proc.wait()
     t_kill = time.time()

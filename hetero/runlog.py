@@ -37,13 +37,22 @@ CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "balancer", "epoch", "trai
 class RunLock:
     """An exclusive flock on RUN_DIR/.lock, held until release() or the process ends."""
 
-    def __init__(self, path: Path, fd: int):
-        self.path, self.fd = path, fd
+    def __init__(self, path: Path, fd: int, created: bool = False):
+        self.path, self.fd, self.created = path, fd, created
 
-    def release(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)  # closing the only descriptor drops the flock
-            self.fd = -1
+    def release(self, discard: bool = False) -> None:
+        """Drop the lock; with discard, also remove the folder if this job created it and left nothing else in it
+        (a `--check`, or a job refused before its run started, leaves no trace)."""
+        if self.fd < 0:
+            return
+        if discard and self.created and [p.name for p in self.path.iterdir()] == [LOCK]:
+            (self.path / LOCK).unlink(missing_ok=True)  # still holding it, so no job is between open and flock
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+        os.close(self.fd)  # closing the only descriptor drops the flock
+        self.fd = -1
 
 
 def _holder(path: Path) -> str:
@@ -110,8 +119,10 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
     if resume and not (path / CHECKPOINT).exists():
         raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
     try:  # really try: permission bits say little to root, and read-only file systems say nothing
+        created = not path.exists()
         path.mkdir(parents=True, exist_ok=True)
         lock = acquire_lock(path)
+        lock.created = created
     except OSError as e:
         raise ConfigError(f"run folder {path} is not writable ({e.strerror or e})") from None
     try:
@@ -121,14 +132,14 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
         for tmp in [*path.glob(".*.tmp"), *path.glob(".write-test-*")]:
             tmp.unlink(missing_ok=True)
     except BaseException:
-        lock.release()
+        lock.release(discard=True)
         raise
     return lock
 
 
 def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
-    """claim_run_dir, released at once (what `--check` of a job that will not start needs)."""
-    claim_run_dir(path, resume, overwrite).release()
+    """claim_run_dir, released at once, leaving no folder it created."""
+    claim_run_dir(path, resume, overwrite).release(discard=True)
 
 
 def disk_error(e: OSError, path: Path) -> str:

@@ -401,6 +401,7 @@ def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
 def main(argv: list[str] | None = None) -> int:
     rank, world_size, _ = env_world()
     say = (lambda msg: print(f"hetero: error: {msg}", file=sys.stderr, flush=True)) if rank == 0 else (lambda m: None)
+    lock = None  # rank 0's hold on the run folder (runlog.claim_run_dir), kept until this process ends
     try:
         cfg, ns = parse_args(argv)
         if cfg.resume:  # continue with the recorded configuration
@@ -411,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = Config(**{**saved, "resume": cfg.resume, "run_dir": cfg.resume, "overwrite": False})
         cfg.check_world(world_size)
         cfg, resume = resolve_run_dir(cfg)
-        lock, saved_state = None, None
+        saved_state = None
         if rank == 0:  # the folder's lock before anything is written into it; held until this process ends
             lock = claim_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
             if resume:  # loaded and checked now, so a bad checkpoint fails in one line before any process group
@@ -425,8 +426,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
         if ns.check:
+            if lock is not None:
+                lock.release(discard=True)  # a check leaves no empty folder behind
             return 0
     except (ConfigError, DataError) as e:
+        if lock is not None:
+            lock.release(discard=True)
         say(e)
         return 2
     device = cfg.for_rank("device", rank, world_size)

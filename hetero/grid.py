@@ -267,7 +267,7 @@ def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:
 
 
 def _write_table(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # two grids at once each write their own
     pd.DataFrame(rows, columns=COLUMNS).to_csv(tmp, index=False)
     os.replace(tmp, path)
 

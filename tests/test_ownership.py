@@ -163,8 +163,9 @@ def test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them(tmp
     while _workers(marker):
         assert time.time() - t_kill < WATCHDOG_BOUND_S, "workers outlived their launcher"
         time.sleep(0.2)
-    # they were stopped, not done: the last 3 epochs need >= 9.6 s of injected delay alone
-    assert json.loads((run / "summary.json").read_text())["status"] == "running"
+    # they were stopped, not done (the last 3 epochs need >= 9.6 s of injected delay alone); rank 0, still the
+    # folder's owner, may have recorded its peer's exit as a failure before its own watchdog fired
+    assert json.loads((run / "summary.json").read_text())["status"] in ("running", "failed")
     _, err = resume.communicate(timeout=600)
     if resume.returncode != 0:
         assert "is in use by another job" in err, err[-3000:]

@@ -12,7 +12,7 @@ NODE_RANK ?= 0
 RDZV_ENDPOINT ?= 127.0.0.1:29500
 RDZV_ID ?= hetero
 ifeq ($(NNODES),1)
-TORCHRUN_ARGS := --standalone --nproc-per-node=$(NPROC)
+TORCHRUN_ARGS := --standalone --nproc-per-node=$(NPROC) --log-dir=/dev/null
 else
 TORCHRUN_ARGS := --nnodes=$(NNODES) --node-rank=$(NODE_RANK) --nproc-per-node=$(NPROC) \
 	--rdzv-backend=c10d --rdzv-endpoint="$$RDZV_ENDPOINT" --rdzv-id="$$RDZV_ID"

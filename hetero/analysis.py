@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .emulator import parse_hetero
+from .runlog import status as run_status
 
 SCHEMES = {"sync": "Sync-SGD", "dp": "DP-SGD", "edp": "EDP-SGD", "affine": "Affine"}
 ROOT = Path(__file__).resolve().parents[1]  # the repository: notebooks' relative paths start here
@@ -87,13 +88,14 @@ def load(source: str | Path | Sequence[str | Path]) -> Frames:
         ident = {"run": path.name, "model": cfg["model"], "hetero": cfg["hetero"],
                  "setting": f"{cfg['model']}, {hetero_label(cfg['hetero'])}", "scheme": cfg["scheme"],
                  "scheme_label": scheme_label(cfg["scheme"]), "seed": cfg["seed"]}
-        runs.append({**ident, "status": summary.get("status", "started"), "error": summary.get("error", ""),
+        status = run_status(path)  # a dead job's "running" reads "interrupted" (its folder lock is free)
+        runs.append({**ident, "status": status, "error": summary.get("error", ""),
                      "world_size": meta.get("world_size"), "global_batch": cfg["global_batch"],
                      "epochs": cfg["epochs"], "epochs_completed": summary.get("epochs_completed", 0),
                      "train_time_s": summary.get("train_time_s"), "final_test_top1": summary.get("final_test_top1"),
                      "final_test_loss": summary.get("final_test_loss"),
                      "mean_balance_eff": summary.get("mean_balance_eff"), "run_dir": str(path)})
-        if summary.get("status") != "completed":
+        if status != "completed":
             continue
         for name in tables:
             df = pd.read_csv(path / f"{name}.csv")

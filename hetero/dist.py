@@ -73,10 +73,10 @@ def apply_cpu_budget(threads: int, cores: set[int] | None, device: str) -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_interface() -> str:
+    """The loopback interface's name: lo on Linux, lo0 on macOS and the BSDs."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
 def gpu_identity(props, index: int) -> str:
@@ -148,14 +148,17 @@ def setup(devices: list[str], backend: str, timeout_s: float) -> World:
     rendezvous store and reads everyone's, so all ranks choose the backend from the same facts (also when
     `auto` resolves differently on different hosts). Raises ConfigError for an impossible --backend nccl."""
     rank, world, local_rank = env_world()
-    if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     dev = pick_device(devices[rank], local_rank)
     timeout = timedelta(seconds=timeout_s)
-    # torchrun keeps its store across restarts: keys of the previous attempt (a dead rank's address) would be read
-    # by the new one and its connections refused. Each attempt gets a key space of its own.
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-    store = dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world:  # one host: gloo's sockets on loopback only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    if "MASTER_ADDR" not in os.environ:  # plain `python -m hetero.train`: a world of one
+        store = dist.HashStore()  # in-process: a TCPStore would listen on every interface
+    else:
+        # torchrun keeps its store across restarts: keys of the previous attempt (a dead rank's address) would be
+        # read by the new one and its connections refused. Each attempt gets a key space of its own.
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        store = dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     cuda = dev.type == "cuda"
     own = Place(socket.gethostname(), str(dev), gpu_identity(torch.cuda.get_device_properties(dev), dev.index)
                 if cuda else "", torch.cuda.device_count() if cuda else 0)

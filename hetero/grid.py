@@ -27,6 +27,7 @@ import pandas as pd
 
 from .config import Config, ConfigError, type_problem
 from .launch import run_logged, torchrun_cmd
+from .runlog import status as run_status
 
 GRID_KEYS = ("grid", "nproc", "runs_root", "run_timeout_s")  # grid-level parameters; the rest are Config fields
 CONFIG_KEYS = tuple(f.name for f in fields(Config))
@@ -182,11 +183,8 @@ def _conflict(run_dir: Path, cfg: Config) -> list[str]:
 
 
 def state(run_dir: Path) -> str:
-    """completed, failed or running (from summary.json), started (config.json only) or new."""
-    summary = run_dir / "summary.json"
-    if summary.exists():
-        return json.loads(summary.read_text()).get("status", "started")
-    return "started" if (run_dir / "config.json").exists() else "new"
+    """running (a job holds the folder's lock), completed, failed, interrupted (its job died), started or new."""
+    return run_status(run_dir)
 
 
 def train_args(cfg: Config) -> list[str]:
@@ -203,7 +201,7 @@ def train_args(cfg: Config) -> list[str]:
 def command(run: Run, nproc: int) -> list[str]:
     """torchrun --standalone (a free port per run, so two grids at once never collide), resuming if it can."""
     st = state(run.run_dir)
-    if st in ("running", "failed", "started") and (run.run_dir / "checkpoint.pt").exists():
+    if st in ("interrupted", "failed", "started") and (run.run_dir / "checkpoint.pt").exists():
         args = ["--resume", str(run.run_dir)]
     else:
         args = train_args(run.config) + (["--overwrite"] if st != "new" else [])
@@ -211,9 +209,25 @@ def command(run: Run, nproc: int) -> list[str]:
 
 
 def launch(cmd: list[str], log: Path, timeout_s: float) -> int | None:
-    """Run cmd with its output in log; its exit status, or None when it ran past timeout_s and was stopped."""
-    with open(log, "w") as fh:
+    """Run cmd with its output in log (a new file: never another launch's); its exit status, or None when it ran
+    past timeout_s and every process of it was stopped."""
+    with open(log, "x") as fh:
         return run_logged(cmd, fh, timeout_s)
+
+
+def fresh_log(logs: Path, name: str) -> Path:
+    """logs/<name>.log, or <name>.2.log, <name>.3.log ... when taken: each launch keeps its own log, so a re-run or
+    a second grid at once never overwrites one."""
+    for i in itertools.count(1):
+        path = logs / (f"{name}.log" if i == 1 else f"{name}.{i}.log")
+        if not path.exists():
+            return path
+    raise AssertionError("unreachable")
+
+
+def _busy(log: Path) -> bool:
+    """Whether the launch was refused because another job holds the run folder."""
+    return log.exists() and "is in use by another job" in log.read_text(errors="replace")
 
 
 def _error(run_dir: Path, log: Path, returncode: int | None, timeout_s: float) -> str:
@@ -239,20 +253,34 @@ def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:
     (grid.root / "grid.json").write_text(json.dumps(grid.params, indent=2, default=str) + "\n")
     rows = [{"run": r.name, "model": r.config.model, "scheme": r.config.scheme, "hetero": r.config.hetero,
              "seed": r.config.seed, "status": "pending", "error": "", "returncode": None, "wall_s": None,
-             "launched": False, "run_dir": str(r.run_dir), "log": str(grid.root / "logs" / f"{r.name}.log")}
+             "launched": False, "run_dir": str(r.run_dir), "log": ""}
             for r in grid.runs]
     bar = tqdm(total=len(rows), desc=f"grid {grid.name}", unit="run", disable=not progress, file=sys.stdout)
     try:
         for run, row in zip(grid.runs, rows):
-            if state(run.run_dir) == "completed":
-                row["status"] = "completed"
+            st = state(run.run_dir)
+            if st in ("completed", "running"):  # running: another job (a second grid) has it; it is not ours
+                row.update(status="completed" if st == "completed" else "busy", log="",
+                           error="" if st == "completed" else "run folder in use by another job: skipped")
             else:
                 t0 = time.perf_counter()
-                rc = launch(command(run, grid.nproc), Path(row["log"]), grid.run_timeout_s)
+                while True:  # two grids at once may pick the same free name: the loser ("x") takes the next
+                    row["log"] = str(fresh_log(grid.root / "logs", run.name))
+                    try:
+                        rc = launch(command(run, grid.nproc), Path(row["log"]), grid.run_timeout_s)
+                        break
+                    except FileExistsError:
+                        continue
                 row.update(launched=True, returncode=rc, wall_s=round(time.perf_counter() - t0, 1))
-                done = rc == 0 and state(run.run_dir) == "completed"
-                row["status"] = "completed" if done else ("timeout" if rc is None else "failed")
-                row["error"] = "" if done else _error(run.run_dir, Path(row["log"]), rc, grid.run_timeout_s)
+                done = state(run.run_dir) == "completed"
+                # refused (torchrun turns the trainer's 2 into 1) because another job had it: trained elsewhere
+                if rc not in (0, None) and (_busy(Path(row["log"])) or done):
+                    row["status"], row["error"] = ("completed", "") if done else \
+                        ("busy", "run folder in use by another job: skipped")
+                else:
+                    done = done and rc == 0
+                    row["status"] = "completed" if done else ("timeout" if rc is None else "failed")
+                    row["error"] = "" if done else _error(run.run_dir, Path(row["log"]), rc, grid.run_timeout_s)
                 bar.write(f"{run.name}: {row['status']} in {row['wall_s']:.0f} s"
                           + (f" - {row['error']}" if row["error"] else ""))
             _write_table(grid.root / "grid.csv", rows)
@@ -267,7 +295,7 @@ def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:
 
 
 def _write_table(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # two grids at once each write their own
     pd.DataFrame(rows, columns=COLUMNS).to_csv(tmp, index=False)
     os.replace(tmp, path)
 

@@ -3,12 +3,23 @@
 Tidy files (one observation per row, one schema per file) so pandas.read_csv feeds seaborn directly. Rows are
 flushed every epoch; the checkpoint and summary are replaced atomically (write a temporary file, fsync, rename)
 so a crash at any instant leaves the previous complete version.
+
+One job at a time owns a folder: its rank 0 holds an exclusive `flock` on `.lock` for the job's life (the kernel
+drops it when the process dies, even by SIGKILL), and only the holder writes into the folder. Checkpoints hold
+only tensors, lists, dicts, strings and numbers, so they load with `weights_only=True`: a crafted file cannot run
+code.
 """
 from __future__ import annotations
 
 import csv
+import errno
+import fcntl
 import json
 import os
+import pickle
+import socket
+import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -18,36 +29,147 @@ from .config import ConfigError
 
 TABLES = ("epochs", "ranks", "steps")
 CHECKPOINT = "checkpoint.pt"
+LOCK = ".lock"
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "balancer", "epoch", "train_time_s", "global_step", "history",
+                   "rng")
+
+
+class RunLock:
+    """An exclusive flock on RUN_DIR/.lock, held until release() or the process ends."""
+
+    def __init__(self, path: Path, fd: int, created: bool = False):
+        self.path, self.fd, self.created = path, fd, created
+
+    def release(self, discard: bool = False) -> None:
+        """Drop the lock; with discard, also remove the folder if this job created it and left nothing else in it
+        (a `--check`, or a job refused before its run started, leaves no trace)."""
+        if self.fd < 0:
+            return
+        if discard and self.created and [p.name for p in self.path.iterdir()] == [LOCK]:
+            (self.path / LOCK).unlink(missing_ok=True)  # still holding it, so no job is between open and flock
+            try:
+                self.path.rmdir()
+            except OSError:
+                pass
+        os.close(self.fd)  # closing the only descriptor drops the flock
+        self.fd = -1
+
+
+def _holder(path: Path) -> str:
+    try:
+        pid, host = (path / LOCK).read_text().split()[:2]
+        return f"pid {pid} on host {host}"
+    except (OSError, ValueError):
+        return "holder unknown"
+
+
+def acquire_lock(path: Path, tries: int = 10) -> RunLock:
+    """Take the folder's lock or raise ConfigError naming its holder. A few quick retries ride out a reader's
+    momentary shared probe (is_busy); a live job holds it for good."""
+    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if i == tries - 1:
+                os.close(fd)
+                raise ConfigError(f"run folder {path} is in use by another job ({_holder(path)})") from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    return RunLock(path, fd)
+
+
+def is_busy(path: Path) -> bool:
+    """Whether a live job holds the folder's lock (a shared, non-blocking probe; never blocks the holder)."""
+    try:
+        fd = os.open(Path(path) / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # also drops the probe's shared lock
+
+
+def status(path: Path) -> str:
+    """`running` while a job holds the folder's lock; else the status in summary.json (completed, failed), with a
+    `running` there shown as `interrupted` (its job died without a word, e.g. SIGKILL); `started` (config.json
+    only) or `new`. Never writes."""
+    path = Path(path)
+    if is_busy(path):
+        return "running"
+    try:
+        st = json.loads((path / "summary.json").read_text()).get("status", "started")
+    except FileNotFoundError:
+        st = "started" if (path / "config.json").exists() else "new"
+    except (OSError, ValueError):
+        st = "started"
+    return "interrupted" if st == "running" else st
+
+
+def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
+    """Lock the folder for this job, then refuse one that cannot be written, or that already holds a run unless
+    resuming or overwriting. The lock comes before anything else is written; the holder then removes temporary
+    files a killed job left behind."""
+    if resume and not (path / CHECKPOINT).exists():
+        raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
+    try:  # really try: permission bits say little to root, and read-only file systems say nothing
+        created = not path.exists()
+        path.mkdir(parents=True, exist_ok=True)
+        lock = acquire_lock(path)
+        lock.created = created
+    except OSError as e:
+        raise ConfigError(f"run folder {path} is not writable ({e.strerror or e})") from None
+    try:
+        if (path / "config.json").exists() and not (resume or overwrite):
+            raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
+                              f"--overwrite to replace it, or choose another --run-dir")
+        for tmp in [*path.glob(".*.tmp"), *path.glob(".write-test-*")]:
+            tmp.unlink(missing_ok=True)
+    except BaseException:
+        lock.release(discard=True)
+        raise
+    return lock
 
 
 def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a folder that cannot be written, or that already holds a run unless resuming or overwriting."""
-    holds_run = (path / "config.json").exists()
-    if resume and not (path / CHECKPOINT).exists():
-        raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
-    if holds_run and not (resume or overwrite):
-        raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
-                          f"--overwrite to replace it, or choose another --run-dir")
-    try:  # really try: permission bits say little to root, and read-only file systems say nothing
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(f"run folder {path} is not writable ({e.strerror or e})") from None
+    """claim_run_dir, released at once, leaving no folder it created."""
+    claim_run_dir(path, resume, overwrite).release(discard=True)
+
+
+def disk_error(e: OSError, path: Path) -> str:
+    """One line for a failed write: disk full (ENOSPC, EDQUOT) said plainly."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"disk full writing {path} ({e.strerror}): the previous checkpoint is kept; free space and --resume"
+    return f"cannot write {path} ({e.strerror or e})"
+
+
+class DiskError(RuntimeError):
+    """A write into the run folder failed (disk full, I/O error); the message is one line."""
 
 
 def _atomic_write(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # never leave a half-written file filling the disk
+        if isinstance(e, OSError):
+            raise DiskError(disk_error(e, path)) from None
+        raise
 
 
 class RunFolder:
-    """Written by global rank 0 only."""
+    """Written by global rank 0 only, and only while its job holds the folder's lock."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -77,24 +199,32 @@ class RunFolder:
         if not rows:
             return
         col = rows[0].index("epoch")
-        kept = [rows[0]] + [r for r in rows[1:] if int(r[col]) <= last_epoch]
+        kept = [rows[0]] + [r for r in rows[1:] if len(r) == len(rows[0]) and int(r[col]) <= last_epoch]
 
         def write(fh):
             fh.write("".join(",".join(r) + "\n" for r in kept).encode())
         _atomic_write(path, write)
 
     def append(self, table: str, rows: list[dict[str, Any]]) -> None:
+        """Append rows; a failed write (disk full) is rolled back so the file never ends in a partial row."""
         if not rows:
             return
         path = self.path / f"{table}.csv"
-        new = not path.exists() or path.stat().st_size == 0
-        with open(path, "a", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=list(rows[0]), lineterminator="\n")
-            if new:
-                w.writeheader()
-            w.writerows(rows)
-            fh.flush()
-            os.fsync(fh.fileno())
+        size = path.stat().st_size if path.exists() else 0
+        try:
+            with open(path, "a", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=list(rows[0]), lineterminator="\n")
+                if size == 0:
+                    w.writeheader()
+                w.writerows(rows)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as e:
+            try:
+                os.truncate(path, size)
+            except OSError:
+                pass
+            raise DiskError(disk_error(e, path)) from None
 
     def write_json(self, name: str, obj: dict[str, Any]) -> None:
         _atomic_write(self.path / name, lambda fh: fh.write((json.dumps(obj, indent=2, default=str) + "\n").encode()))
@@ -103,7 +233,29 @@ class RunFolder:
         return json.loads((self.path / name).read_text())
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
+        """state: tensors, lists, dicts, strings and numbers only (what weights_only=True loads)."""
         _atomic_write(self.path / CHECKPOINT, lambda fh: torch.save(state, fh))
 
     def load_checkpoint(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-        return torch.load(self.path / CHECKPOINT, map_location=map_location, weights_only=False)
+        """The checkpoint, loaded with weights_only=True (no code runs); ConfigError in one line."""
+        path = self.path / CHECKPOINT
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as e:  # weights_only refuses anything but plain data: say what, not how
+            what = next((ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), "")
+            raise ConfigError(f"cannot resume: {path} holds more than tensors and plain data, so it was not loaded "
+                              f"(it could run code){': ' + what[:160] if what else ''}") from None
+        except (OSError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, KeyError) as e:
+            raise ConfigError(f"cannot resume: {path} is corrupt or truncated ({type(e).__name__})") from None
+        return state
+
+    def load_trainer_checkpoint(self) -> dict[str, Any]:
+        """load_checkpoint, then checked to hold what Trainer.load_state_dict reads; ConfigError in one line."""
+        state, path = self.load_checkpoint(), self.path / CHECKPOINT
+        missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ConfigError(f"cannot resume: {path} is not a hetero checkpoint (no {', '.join(missing)})")
+        if not (isinstance(state["epoch"], int) and state["epoch"] >= 1 and isinstance(state["model"], dict)
+                and all(isinstance(v, torch.Tensor) for v in state["model"].values())):
+            raise ConfigError(f"cannot resume: {path} is not a hetero checkpoint (bad epoch or model weights)")
+        return state

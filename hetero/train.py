@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -39,7 +40,7 @@ from .balancer import Balancer
 from .memory import probe_max_batch, shared_gpus
 from .partition import SCHEMES, check_feasible
 from .resume import relay_cosine, resumed_config
-from .runlog import RunFolder, check_run_dir
+from .runlog import DiskError, RunFolder, claim_run_dir
 from .sampler import EpochPlan
 from .seeding import AUGMENT, epoch_seed
 
@@ -102,6 +103,31 @@ def load_replay(run: Path, cfg: Config, world: int) -> dict[int, np.ndarray]:
             raise ConfigError(f"cannot replay {run}: its global batch is not {cfg.global_batch}")
         out[int(epoch)] = sizes
     return out
+
+
+def _numpy_rng_plain(state: tuple) -> list:
+    """numpy's legacy RNG state as plain lists and numbers, so the checkpoint loads with weights_only=True."""
+    name, keys, pos, has_gauss, cached = state
+    return [str(name), np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
+    """Under torchrun, end this worker within ~poll_s of its launcher's death, writing nothing.
+
+    torchrun starts workers in sessions of their own, so killing the launcher's process group leaves them running,
+    re-parented; they would go on writing the run folder beside a resumed job. A daemon thread notices the new
+    parent. os._exit skips every handler: the folder's lock goes with the process, a temporary file it was writing
+    is removed at the next start."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                print(f"hetero: rank {rank}: error: its launcher (pid {parent}) is gone: stopping without writing",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+    threading.Thread(target=watch, name="hetero-launcher-watch", daemon=True).start()
 
 
 def limits_text(limits: list[float] | None, world: int) -> str:
@@ -179,7 +205,7 @@ class Trainer:
                 "scheduler": self.sched.state_dict(), "balancer": self.balancer.state_dict(),
                 "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed}, "epoch": self.epoch,
                 "train_time_s": self.train_time_s, "global_step": self.global_step, "history": self.history,
-                "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state()}}
+                "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_plain(np.random.get_state())}}
 
     def load_state_dict(self, s: dict) -> None:
         self.model.load_state_dict(s["model"])
@@ -191,7 +217,8 @@ class Trainer:
         self.epoch, self.train_time_s, self.global_step = s["epoch"], s["train_time_s"], s["global_step"]
         self.history = s["history"]
         torch.set_rng_state(s["rng"]["torch"])
-        np.random.set_state(s["rng"]["numpy"])
+        name, keys, pos, has_gauss, cached = s["rng"]["numpy"]
+        np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
 
     # -- one epoch --------------------------------------------------------------------------------------------
     def sizes_for(self, epoch: int, step: int) -> np.ndarray:
@@ -395,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every rank checks the same things; one per node says so (the nodes' consoles are apart), before any group.
     say = (lambda msg: print(f"hetero: error: {msg}", file=sys.stderr, flush=True)) if local_rank == 0 \
         else (lambda m: None)
+    lock = None  # rank 0's hold on the run folder (runlog.claim_run_dir), kept until this process ends
     try:
         cfg, ns = parse_args(argv)
         if cfg.resume:  # continue with the recorded configuration
@@ -403,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
         first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
         cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
         cfg, resume = resolve_run_dir(cfg)
-        if rank == 0:
-            check_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
+        saved_state = None
+        if rank == 0:  # the folder's lock before anything is written into it; held until this process ends
+            lock = claim_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
+            if resume:  # loaded and checked now, so a bad checkpoint fails in one line before any process group
+                saved_state = RunFolder(Path(cfg.run_dir)).load_trainer_checkpoint()
         data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
         if cfg.global_batch > len(data.train_y):
             raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")
@@ -414,8 +445,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
         if ns.check:
+            if lock is not None:
+                lock.release(discard=True)  # a check leaves no empty folder behind
             return 0
     except (ConfigError, DataError) as e:
+        if lock is not None:
+            lock.release(discard=True)
         if local_rank != 0:  # the node's speaker fails the same check: let it print before torchrun stops it
             time.sleep(QUIET_WAIT_S)
             print(f"hetero: error: rank {rank}: {e}", file=sys.stderr, flush=True)  # it did not: say it here
@@ -434,8 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
     signal.signal(signal.SIGTERM, on_term)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        exit_with_launcher(rank)
 
-    trainer, ok = None, False
+    trainer, ok, started = None, False, False
     try:
         try:
             world = setup([cfg.for_rank("device", r, world_size) for r in range(world_size)], cfg.backend,
@@ -446,9 +483,10 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = Path(cfg.run_dir)
         trainer = Trainer(cfg, world, data, run_dir, replay)
         if resume:
-            state = [RunFolder(run_dir).load_checkpoint() if world.is_main else None]
+            state = [saved_state]
             dist.broadcast_object_list(state, src=0)
             trainer.load_state_dict(state[0])
+            del saved_state, state
         meta = run_metadata(cfg, world, run_dir)
         limits = trainer.max_batches
         meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
@@ -457,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): "
                       f"{limits_text(limits, world.world)} ('-': no limit; CPU ranks are not probed)", flush=True)
             trainer.folder.start(meta, trainer.epoch if resume else None, cfg.overwrite)
+            started = True  # from here on a failure is this job's to record in the folder
             print(f"hetero: {cfg.model} {cfg.scheme} on {world.world} rank(s) ({world.backend}), run folder "
                   f"{run_dir}" + (f", resuming after epoch {trainer.epoch}" if resume else ""), flush=True)
         summary = trainer.fit()
@@ -468,9 +507,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - mark the run failed whatever stopped it, then re-raise or exit
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        msg = str(e) if isinstance(e, (TrainingError, SystemExit)) else f"{type(e).__name__}: {e}"
-        if trainer is not None and trainer.folder is not None and trainer.folder.path.exists():
-            trainer.folder.write_json("summary.json", trainer.summary("failed", msg))
+        msg = str(e) if isinstance(e, (TrainingError, SystemExit, DiskError)) else f"{type(e).__name__}: {e}"
+        if started and trainer is not None and trainer.folder is not None:  # rank 0, holding the lock
+            try:
+                trainer.folder.write_json("summary.json", trainer.summary("failed", msg))
+            except DiskError:
+                pass  # no room even for the summary: readers show the run as interrupted once this job is gone
         print(f"hetero: rank {rank}: error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr,
               flush=True)
         return 1

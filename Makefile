@@ -15,7 +15,7 @@ ifeq ($(NNODES),1)
 TORCHRUN_ARGS := --standalone --nproc-per-node=$(NPROC) --log-dir=/dev/null
 else
 TORCHRUN_ARGS := --nnodes=$(NNODES) --node-rank=$(NODE_RANK) --nproc-per-node=$(NPROC) \
-	--rdzv-backend=c10d --rdzv-endpoint="$$RDZV_ENDPOINT" --rdzv-id="$$RDZV_ID"
+	--rdzv-backend=c10d --rdzv-endpoint="$$RDZV_ENDPOINT" --rdzv-id="$$RDZV_ID" --log-dir=/dev/null
 endif
 
 FIELDS := MODEL SCHEME HETERO EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTUM WEIGHT_DECAY DATA DATA_DIR \

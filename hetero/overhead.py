@@ -28,7 +28,7 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
     from .data import load_data
     from .dist import setup, teardown, wrap_ddp
     from .models import build_model
-    from .train import Trainer
+    from .trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = Config(model="tiny", data="synthetic", subset=subset, global_batch=global_batch, epochs=epochs,
@@ -44,7 +44,7 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
         model = wrap_ddp(build_model(cfg.model, len(data.classes)), torch.device("cpu"))
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
                               weight_decay=cfg.weight_decay)
-        b, steps = global_batch // world.world, len(data.train_y) // global_batch
+        b, steps = global_batch // world.size, len(data.train_y) // global_batch
 
         def plain_epoch(epoch: int) -> float:
             perm = torch.randperm(len(data.train_y), generator=torch.Generator().manual_seed(seed + epoch))
@@ -62,14 +62,14 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
             r = trainer.train_epoch(epoch, bar)
             if bar is not None:
                 bar.close()
-            return r["train_s"]
+            return r.train_s
 
         epoch_s: dict[str, list[float]] = {"trainer": [], "plain": []}
         for epoch in range(1, epochs + 1):
             for kind in (("trainer", "plain") if epoch % 2 else ("plain", "trainer")):
                 epoch_s[kind].append(trainer_epoch(epoch) if kind == "trainer" else plain_epoch(epoch))
         if world.is_main:
-            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.world}))
+            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.size}))
         ok = True
     finally:
         teardown(ok)

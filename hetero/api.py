@@ -240,10 +240,10 @@ class Balance:
     def _decide(self, step: int) -> Decision:
         """The one decision path: gather every rank's compute times and sampler position, run the pure balancer."""
         window = self.epoch_records()[self._decided_upto:]
-        self._decided_upto = len(self.records)
         sizes = np.stack([r.sizes for r in window])
         own = [r.compute_s for r in window]
         rows = gather_rows(torch.tensor([*own, float(self._handed)], dtype=torch.float64), self._coll).numpy()
+        self._decided_upto = len(self.records)
         compute, ahead = rows[:, :-1].T, int(rows[:, -1].max())  # [steps, world], furthest sampler
         effective = self._pos + 1 + (self.lag or 0)
         if self.lag is None:

@@ -263,7 +263,7 @@ def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     sampler = bal.batch_sampler(320)
 
     def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
-        sizes = torch.tensor(np.stack([s for s, _ in bal._window]), dtype=torch.float64)
+        sizes = torch.tensor(np.stack([r.sizes for r in bal.records[bal._decided_upto:]]), dtype=torch.float64)
         handed = row[-1:]
         return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
     monkeypatch.setattr(hetero.api, "gather_rows", fake_gather)

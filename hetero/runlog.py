@@ -21,16 +21,19 @@ CHECKPOINT = "checkpoint.pt"
 
 
 def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a folder that cannot be written, or that already holds a run unless resuming or overwriting."""
+    """Refuse a folder that cannot be written, or that already holds a run unless resuming or overwriting; creates
+    nothing."""
     holds_run = (path / "config.json").exists()
     if resume and not (path / CHECKPOINT).exists():
         raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
     if holds_run and not (resume or overwrite):
         raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
                           f"--overwrite to replace it, or choose another --run-dir")
+    # Nothing is created here (a --check or a failed data load leaves no folder behind): the folder itself if it
+    # exists, else its nearest existing parent, must take a file. RunFolder.start creates the folder later.
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == Path(p.anchor or "."))
     try:  # really try: permission bits say little to root, and read-only file systems say nothing
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
+        probe = existing / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:

@@ -107,7 +107,7 @@ LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)  # as root JupyterLab 
 lab: $(STAMP) $(KERNEL)  ## JupyterLab on notebooks/ with this checkout's kernel "Python (hetero)" (LAB_ARGS=...)
 	PYTHONPATH=$(CURDIR) $(BIN)/jupyter lab --notebook-dir=$(CURDIR) $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
-demo: $(STAMP) $(KERNEL)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slower) and its report, ~3 min on 2 CPUs
+demo: $(STAMP) $(KERNEL)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slower) and its report, about 4 min on 2 CPUs
 	$(call grid_recipe,demo,notebooks/params/demo.yaml)
 	$(call report_recipe,runs/demo,runs/demo/report)
 # --- end grids and reports ---
@@ -136,7 +136,7 @@ QUICK ?=
 GPU_CHECK_OUT ?= runs/gpu_check.json
 .PHONY: bench gpu-check
 
-bench: $(STAMP)  ## benchmarks on CPU ranks (~8 min on 2 cores; QUICK=1 ~2 min): runs/bench/<time>/bench.json
+bench: $(STAMP)  ## benchmarks on CPU ranks (about 9 min on 2 cores; QUICK=1 about 4 min): runs/bench/<time>/bench.json
 	$(BIN)/python -m hetero.bench $(if $(QUICK),--quick)
 
 gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): GPU_CHECK_OUT (.json and .md)

@@ -53,7 +53,8 @@ class Config:
     smoothing: float = _opt(0.0, "weight of the previous estimate in the balancer's moving average, in [0, 1)")
     deadband: float = _opt(0.0, "keep batch sizes unless the predicted step time drops by more than this fraction")
     timeout_s: float = _opt(300.0, "collective timeout in seconds: a dead peer ends the run after this long")
-    run_dir: str = _opt("", "the run folder (default: runs/<time>-<model>-<scheme>)")
+    run_dir: str = _opt("", "the run folder (empty: runs/<model>-<scheme>-<torchrun's run id>; "
+                                 "outside torchrun runs/<time>-<model>-<scheme>)")
     overwrite: bool = _opt(False, "replace a run folder that already holds a run")
     resume: str = _opt("", "a run folder to continue from its last checkpoint (its config is reused)")
     replay: str = _opt("", "a run folder whose recorded batch sizes this run reuses")
@@ -220,12 +221,17 @@ def build_parser(prog: str = "python -m hetero.train") -> argparse.ArgumentParse
     return p
 
 
+def _md(text: str) -> str:
+    """Plain text as a Markdown table cell: <class> is not a tag, * not emphasis, | not a column."""
+    return text.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*").replace("|", "/")
+
+
 def flag_table(markdown: bool = False) -> str:
     """Every field as Make variable, flag and help line: plain text for make help, a table for the README."""
     rows = [(f.name.upper(), f"--{_flag(f.name)}", flag_help(f.name)) for f in fields(Config)]
     if markdown:
         return "\n".join(["| Make variable | flag | meaning (choices; default) |", "|---|---|---|",
-                          *(f"| `{v}` | `{fl}` | {h.replace('|', '/')} |" for v, fl, h in rows)])
+                          *(f"| `{v}` | `{fl}` | {_md(h)} |" for v, fl, h in rows)])
     width = max(len(v) for v, _, _ in rows) + 2
     return "\n".join(f"  {v:<{width}}{h}" for v, _, h in rows)
 

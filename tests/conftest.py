@@ -28,7 +28,7 @@ def _env() -> dict[str, str]:
     return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_train(args: list[str], nproc: int = 1, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m hetero.train ARGS` (nproc=0) or `torchrun --standalone --nproc-per-node=N -m hetero.train ARGS`."""
     cmd = [sys.executable, "-m", "hetero.train", *args] if nproc == 0 else torchrun_cmd(nproc, args)
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)

@@ -55,7 +55,8 @@ def test_bench_quickest(tmp_path):
 
 def test_gpu_check_smoke(tmp_path):
     out = tmp_path / "gpu" / "check.json"
-    _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--pair-hetero", "1:slowdown=8", "--out", str(out),
+    _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--pair-hetero", "1:slowdown=8",
+          "--out", str(out),
           "--work-dir", str(tmp_path / "work")], timeout=300)
     res = json.loads(out.read_text())
     assert out.with_suffix(".md").read_text().startswith("# GPU check")

@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m ipykernel install --sys-prefix --name hetero --display-name "Python (hetero)" >/dev/null
 	touch $@
 
-$(KERNEL): $(STAMP)  # a venv installed before the kernel moved into it
+$(KERNEL): | $(STAMP)  # a venv installed before the kernel moved into it (order-only: no reinstall)
 	$(BIN)/python -m ipykernel install --sys-prefix --name hetero --display-name "Python (hetero)" >/dev/null
 
 experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment MODEL=vgg16 SCHEME=dp HETERO=1:delay=0.01

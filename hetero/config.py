@@ -201,7 +201,7 @@ def flag_help(name: str) -> str:
     """One field's help line: its meaning, choices and default (the text of --help, make help and the README)."""
     f = next(f for f in fields(Config) if f.name == name)
     choices = f.metadata.get("choices") or (("true", "false") if str(f.type) == "bool" else ())
-    return f"{f.metadata['help']} (" + (f"choices: {', '.join(choices)}; " if choices else "") + \
+    return f"{f.metadata.get('help', '')} (" + (f"choices: {', '.join(choices)}; " if choices else "") + \
         f"default: {_shown(f.default)})"
 
 

@@ -28,8 +28,9 @@ ARGS := $(foreach v,$(FIELDS),$(if $(value $(v)),$(call flag,$(v)) '$($(v))'))
 # use it, and a venv's own kernels come before user-wide ones (jupyter_core prefers the environment in a venv).
 KERNEL := $(VENV)/share/jupyter/kernels/hetero/kernel.json
 # torchrun sets OMP_NUM_THREADS=1 for its workers when unset, and prints a banner saying so; the trainer sizes its
-# thread pool itself (THREADS=), so setting torchrun's default explicitly changes nothing but the noise.
-export OMP_NUM_THREADS ?= 1
+# thread pool itself (THREADS=), so setting torchrun's default explicitly changes nothing but the noise. (Launches
+# from Python, grids and benchmarks, get the same from hetero.launch.clean_env.)
+OMP_NUM_THREADS ?= 1
 
 .PHONY: help install experiment test test-slow test-all clean-venv
 help:  ## list the targets and the config fields (meaning, choices, default)
@@ -50,7 +51,7 @@ $(KERNEL): | $(STAMP)  # a venv installed before the kernel moved into it (order
 
 experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment MODEL=vgg16 SCHEME=dp HETERO=1:delay=0.01
 	WORLD_SIZE=$$(( $(NPROC) * $(NNODES) )) $(BIN)/python -m hetero.train --check $(ARGS)
-	$(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.train $(ARGS)
+	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.train $(ARGS)
 
 test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; README: time on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" tests

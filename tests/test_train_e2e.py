@@ -24,10 +24,22 @@ SUMMARY_KEYS = {"train_time_s", "final_test_top1", "best_test_top1", "scheme", "
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "slow"
-    run_train([*ARGS, "--run-dir", str(out)], nproc=2)
-    return out
+    return out, run_train([*ARGS, "--run-dir", str(out)], nproc=2)
+
+
+@pytest.fixture(scope="module")
+def run(launch):
+    return launch[0]
+
+
+def test_output_to_a_file_is_one_line_per_epoch(launch):
+    p = launch[1]  # stdout and stderr are pipes, not a terminal: no progress bar
+    assert [ln.split("|")[0].split() for ln in p.stdout.splitlines() if ln.startswith("epoch")] == \
+        [["epoch", f"{e}/3"] for e in (1, 2, 3)]
+    assert "it/s" not in p.stderr and "s/it" not in p.stderr and "\r" not in p.stderr
+    assert "OMP_NUM_THREADS" not in p.stderr  # torchrun's banner: the variable is set for it
 
 
 def test_dp_moves_work_off_the_slow_rank_deciding_from_its_measurements(run):

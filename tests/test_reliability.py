@@ -197,8 +197,8 @@ def test_replay_then_resume_reproduces_the_original_bit_for_bit(tmp_path):
     cols = ["train_loss", "test_loss", "test_top1"]
     assert resumed["epochs"][cols].equals(orig["epochs"][cols])                      # bit-identical
     assert resumed["steps"].batch_size.equals(orig["steps"].batch_size)
-    a = torch.load(part / "checkpoint.pt", weights_only=True)["model"]
-    b = torch.load(tmp_path / "orig" / "checkpoint.pt", weights_only=True)["model"]
+    a = RunFolder(part).load_checkpoint()["model"]
+    b = RunFolder(tmp_path / "orig").load_checkpoint()["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

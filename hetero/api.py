@@ -32,7 +32,7 @@ from .dist import StepClock, env_world, gather_rows
 from .emulator import Emulator
 from .memory import probe_max_batch
 from .partition import SCHEMES, batch_sizes, check_feasible
-from .sampler import EpochPlan
+from .sampler import BalancedBatchSampler
 
 FAR = -(1 << 62)  # the start of the first regime: before any step
 
@@ -143,7 +143,7 @@ class Balance:
         if module.training and torch.is_grad_enabled():
             self._forwards += 1
 
-    def batch_sampler(self, n_samples: int, seed: int | None = None) -> "BalancedBatchSampler":
+    def batch_sampler(self, n_samples: int, seed: int | None = None) -> BalancedBatchSampler:
         """Per-step index lists for this rank: its slice of each step's window of one shared permutation."""
         if self.global_batch > n_samples:
             raise ValueError(f"global batch {self.global_batch} exceeds the {n_samples} samples")
@@ -324,24 +324,3 @@ def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Futur
 
 # DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings
 balance_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
-
-
-class BalancedBatchSampler(torch.utils.data.Sampler):
-    """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan)."""
-
-    def __init__(self, balance: Balance, n_samples: int, seed: int):
-        self.balance, self.n_samples, self.seed = balance, n_samples, seed
-
-    def __len__(self) -> int:
-        return self.balance.steps_per_epoch
-
-    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
-        self.balance.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        bal, epoch = self.balance, self.balance.epoch
-        if epoch * bal.steps_per_epoch < bal._handed:
-            raise RuntimeError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
-        plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
-        for step in range(plan.steps):
-            yield plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()

@@ -75,7 +75,7 @@ class Balance:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
         if min_batch < 1:
-            raise ValueError("min_batch must be at least 1 (a rank sitting a step out is only in the built-in trainer)")
+            raise ValueError("min_batch must be at least 1 (sit_out lets affine give a rank 0)")
         if rebalance_every < 0 or (lag is not None and lag < 0):
             raise ValueError("rebalance_every and lag must be >= 0")
         self.rank, self.size, _ = env_world()  # before init_process_group too (Lightning builds callbacks first)

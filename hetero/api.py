@@ -12,7 +12,9 @@
 One object, the Balance, owns a step's gradient weight, clock and emulated delay; it is the state of the DDP
 communication hook. Decisions (every `rebalance_every` steps and at each epoch's end) take effect at a step that
 no rank's batch sampler has handed out yet, so DataLoader workers running ahead never see two partitions of one
-step (README, "Use it in your own loop").
+step (README, "Use it in your own loop"). The built-in trainer (trainer.py) is one user: it cuts its own batches
+on the device and calls `sizes = bal.begin_step(step)` ... `bal.end_step()` with lag 0, and reads the step records
+(`bal.epoch_records()`) for its run folder.
 """
 from __future__ import annotations
 

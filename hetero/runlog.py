@@ -39,6 +39,7 @@ class RunLock:
 
     def __init__(self, path: Path, fd: int, created: bool = False):
         self.path, self.fd, self.created = path, fd, created
+        self.created_parents: list[Path] = []  # folders above path that this job created, deepest first
 
     def release(self, discard: bool = False) -> None:
         """Drop the lock; with discard, also remove the folder if this job created it and left nothing else in it
@@ -49,6 +50,8 @@ class RunLock:
             (self.path / LOCK).unlink(missing_ok=True)  # still holding it, so no job is between open and flock
             try:
                 self.path.rmdir()
+                for parent in self.created_parents:  # emptied now, unless another job wrote there meanwhile
+                    parent.rmdir()
             except OSError:
                 pass
         os.close(self.fd)  # closing the only descriptor drops the flock
@@ -120,9 +123,10 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
         raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
     try:  # really try: permission bits say little to root, and read-only file systems say nothing
         created = not path.exists()
+        parents = [p for p in path.parents if not p.exists()]
         path.mkdir(parents=True, exist_ok=True)
         lock = acquire_lock(path)
-        lock.created = created
+        lock.created, lock.created_parents = created, parents
     except OSError as e:
         raise ConfigError(f"run folder {path} is not writable ({e.strerror or e})") from None
     try:

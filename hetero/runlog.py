@@ -37,8 +37,8 @@ CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "balancer", "epoch", "trai
 class RunLock:
     """An exclusive flock on RUN_DIR/.lock, held until release() or the process ends."""
 
-    def __init__(self, path: Path, fd: int, created: bool = False):
-        self.path, self.fd, self.created = path, fd, created
+    def __init__(self, path: Path, fd: int, created: tuple[Path, ...] = ()):
+        self.path, self.fd, self.created = path, fd, created  # created: the folders this job made, deepest first
 
     def release(self, discard: bool = False) -> None:
         """Drop the lock; with discard, also remove the folder if this job created it and left nothing else in it
@@ -47,10 +47,11 @@ class RunLock:
             return
         if discard and self.created and [p.name for p in self.path.iterdir()] == [LOCK]:
             (self.path / LOCK).unlink(missing_ok=True)  # still holding it, so no job is between open and flock
-            try:
-                self.path.rmdir()
-            except OSError:
-                pass
+            for folder in self.created:  # the run folder, then the parents made for it, while they are empty
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
         os.close(self.fd)  # closing the only descriptor drops the flock
         self.fd = -1
 
@@ -119,7 +120,7 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
     if resume and not (path / CHECKPOINT).exists():
         raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
     try:  # really try: permission bits say little to root, and read-only file systems say nothing
-        created = not path.exists()
+        created = tuple(p for p in (path, *path.parents) if not p.exists())
         path.mkdir(parents=True, exist_ok=True)
         lock = acquire_lock(path)
         lock.created = created

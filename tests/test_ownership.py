@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pandas as pd
 import psutil
@@ -142,7 +143,7 @@ def _workers(marker):
 
 
 def test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them(tmp_path):
-    run, marker = tmp_path / "run", "orphan-test"
+    run, marker = tmp_path / "run", f"orphan-test-{uuid.uuid4().hex}"  # unique: other suites may run at once
     args = [*TINY, "--epochs", "4", "--hetero", "1:delay=0.2", "--run-dir", str(run)]
     # setsid: the launcher leads its own group; torchrun puts the workers in sessions of their own
     proc = subprocess.Popen(torchrun_cmd(2, args), cwd=ROOT, env={**_env(), MARKER: marker},

@@ -3,7 +3,6 @@ run folder, speedup against sync, run metadata and markdown tables. Standard lib
 python with torch can use it (the GPU check)."""
 from __future__ import annotations
 
-import argparse
 import csv
 import importlib
 import json
@@ -16,13 +15,6 @@ from datetime import datetime
 from pathlib import Path
 
 from .launch import ROOT, clean_env, run_logged
-
-
-class CliParser(argparse.ArgumentParser):
-    """argparse with the project's bad-input convention: one line `hetero: error: ...` and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"hetero: error: {message} (see --help)\n")
 
 
 class LaunchError(RuntimeError):

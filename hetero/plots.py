@@ -13,8 +13,9 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .analysis import SCHEMES, Frames, time_breakdown
+from .analysis import Frames, time_breakdown
 from .emulator import parse_hetero
+from .partition import SCHEMES
 
 SCHEME_HELP = ("Sync-SGD: equal batches on every rank.  DP-SGD: batches re-sized each epoch to each rank's "
                "measured speed.  EDP-SGD: as DP-SGD, gradients weighted by batch size.")
@@ -28,7 +29,7 @@ def theme() -> None:
 
 def _palette(labels) -> dict[str, tuple]:
     colors = sns.color_palette("colorblind", len(SCHEMES) + 4)
-    known = {label: colors[i] for i, label in enumerate(SCHEMES.values())}
+    known = {s.label: colors[i] for i, s in enumerate(SCHEMES.values())}
     extra = iter(colors[len(SCHEMES):])
     return {label: known.get(label) or next(extra) for label in labels}
 

@@ -10,9 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from hetero.launch import clean_env, torchrun_cmd
+from hetero.launch import ROOT, clean_env, torchrun_cmd
 
-ROOT = Path(__file__).resolve().parents[1]
 CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
 
 # Small, fast defaults for CPU runs: tiny model, synthetic data, no augmentation noise in timing.

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from hetero import analysis
+from hetero.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 FIGURES = ["curves_epoch", "curves_time", "shares", "step_times", "time_breakdown"]
 

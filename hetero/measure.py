@@ -48,9 +48,10 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def steady_epochs(run_dir: Path, steady_from: int = 2) -> list[dict[str, str]]:
-    """The rows of a run's epochs.csv from epoch `steady_from` (1-based) on; all of them when the run is shorter."""
-    rows = read_rows(Path(run_dir) / "epochs.csv")
+def steady_epochs(run_dir: Path, steady_from: int = 2, table: str = "epochs") -> list[dict[str, str]]:
+    """The rows of a run's TABLE.csv (epochs, ranks or steps) from epoch `steady_from` (1-based) on; all of them
+    when the run is shorter."""
+    rows = read_rows(Path(run_dir) / f"{table}.csv")
     return [r for r in rows if int(r["epoch"]) >= steady_from] or rows
 
 

@@ -218,13 +218,10 @@ FIGURES = {"curves_epoch": lambda f: curves(f, "epoch"), "curves_time": lambda f
            "shares": shares, "step_times": step_hist, "time_breakdown": breakdown}
 
 
-def figures(frames: Frames, out_dir: str | Path | None = None) -> dict[str, plt.Figure]:
-    """Every figure (none when no run completed), saved into out_dir when given."""
+def figures(frames: Frames, out_dir: str | Path | None = None) -> None:
+    """Show every figure with show() (none when no run completed), saving each into out_dir when given."""
     if frames.epochs.empty:
         print("no completed run: nothing to plot")
-        return {}
-    figs = {name: make(frames) for name, make in FIGURES.items()}
-    if out_dir is not None:
-        for name, fig in figs.items():
-            save(fig, out_dir, name)
-    return figs
+        return
+    for name, make in FIGURES.items():
+        show(make(frames), out_dir, name)

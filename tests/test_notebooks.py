@@ -106,6 +106,7 @@ def test_grid_notebook_runs_the_grid_and_shows_figures(executed):
     nb = nbformat.read(executed / "grid.ipynb", as_version=4)
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == len(FIGURES)
+    assert all(o["metadata"]["image/png"]["alt"] for o in images)  # shown once each, by plots.show
 
 
 def test_report_files_and_table_match_the_run_folders(executed):

@@ -46,3 +46,16 @@ def test_grid_notebook_parameters_are_configs_fields_or_grid_keys():
     assert set(PARAMETERS) == set(GRID_KEYS) | CONFIG and not set(GRID_KEYS) & CONFIG
     # the grid keys that make passes on are spelled as make's settings
     assert {k.upper() for k in GRID_KEYS if k != "runs_root"} <= set(_make_variable("SETTINGS"))
+
+
+def test_readme_layout_names_every_module_and_only_files_that_exist():
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Layout"):].split("\n\n")[1]
+    named = set()
+    for line in table.splitlines()[2:]:
+        cells = line.split("|")[1].replace("`", "").split(",")
+        folder = cells[0].strip().rsplit("/", 1)[0] + "/" if "/" in cells[0].strip().rstrip("/") else ""
+        named |= {c.strip() if "/" in c else folder + c.strip() for c in cells}
+    assert all((ROOT / n).exists() for n in named if not n.startswith("runs")), named
+    modules = {str(p.relative_to(ROOT)) for d in ("hetero", "scripts") for p in (ROOT / d).glob("*.py")}
+    assert modules - {"hetero/__init__.py"} <= named

@@ -23,7 +23,7 @@ FIELDS := MODEL SCHEME HETERO EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTU
 	OVERWRITE RESUME REPLAY EVAL_BATCH AFFINITY BF16 CHANNELS_LAST SIT_OUT
 # Every other variable make takes; one given on the command line that is in neither list is refused (EPOCH=3).
 SETTINGS := NPROC NNODES NODE_RANK RDZV_ENDPOINT RDZV_ID PYTHON VENV PARAMS GRID REPORT_DIR RUNS TARGET_TOP1 \
-	RUN_TIMEOUT_S LAB_ARGS NOISE QUICK OUT STAMP
+	RUN_TIMEOUT_S LAB_ARGS NOISE QUICK OUT STAMP OMP_NUM_THREADS
 UNKNOWN := $(filter-out $(FIELDS) $(SETTINGS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 ifneq ($(UNKNOWN),)
 $(error hetero: error: unknown make variable $(foreach v,$(UNKNOWN),$(v)$(if $(filter $(v)%,$(FIELDS) $(SETTINGS)), (did \
@@ -41,25 +41,44 @@ export $(FIELDS) RDZV_ENDPOINT RDZV_ID
 flag = --$(subst _,-,$(shell printf '%s' '$(1)' | tr A-Z a-z))
 ARGS := $(foreach v,$(FIELDS),$(if $(value $(v)),$(call flag,$(v)) "$$$(v)"))
 
-.PHONY: help install experiment test clean-venv
-help:  ## list the targets
+# The checkout's own Jupyter kernel "hetero", registered inside the venv (not user-wide): papermill and make lab
+# use it, and a venv's own kernels come before user-wide ones (jupyter_core prefers the environment in a venv).
+KERNEL := $(VENV)/share/jupyter/kernels/hetero/kernel.json
+# torchrun sets OMP_NUM_THREADS=1 for its workers when unset, and prints a banner saying so; the trainer sizes its
+# thread pool itself (THREADS=), so setting torchrun's default explicitly changes nothing but the noise. (Launches
+# from Python, grids and benchmarks, get the same from hetero.launch.clean_env.)
+OMP_NUM_THREADS ?= 1
+
+.PHONY: help install experiment test test-slow test-all clean-venv
+help:  ## list the targets and the config fields (meaning, choices, default)
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
-	@echo; echo "Variables (any other is refused): the config fields"; echo "  $(FIELDS)"; echo "and"; echo "  $(SETTINGS)"
+	@echo; echo "Variables (any other is refused):"; echo "  $(SETTINGS)"
+	@echo "and the config fields (python -m hetero.train --help):"
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m hetero.config
 
 install: $(STAMP)  ## create .venv with torch, torchvision, jupyterlab, papermill, ... (once)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m ipykernel install --user --name hetero --display-name "Python (hetero)" >/dev/null
+	$(BIN)/python -m ipykernel install --sys-prefix --name hetero --display-name "Python (hetero)" >/dev/null
 	touch $@
+
+$(KERNEL): | $(STAMP)  # a venv installed before the kernel moved into it (order-only: no reinstall)
+	$(BIN)/python -m ipykernel install --sys-prefix --name hetero --display-name "Python (hetero)" >/dev/null
 
 experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment MODEL=vgg16 SCHEME=dp HETERO=1:delay=0.01
 	WORLD_SIZE=$$(( $(NPROC) * $(NNODES) )) RANK=$$(( $(NODE_RANK) * $(NPROC) )) LOCAL_WORLD_SIZE=$(NPROC) \
 		$(BIN)/python -m hetero.train --check $(ARGS)
-	$(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.train $(ARGS)
+	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.train $(ARGS)
 
-test: $(STAMP)  ## the test suite (CPU, gloo; a few minutes on 2 cores)
+test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; README: time on 2 cores)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)  ## only the slow tier (real CIFAR-10 images, benchmark smoke tests, ...)
+	$(BIN)/python -m pytest -q -m slow tests
+
+test-all: $(STAMP)  ## both tiers (what .ci/run runs)
 	$(BIN)/python -m pytest -q tests
 
 # --- grids and reports (notebooks) ---
@@ -73,7 +92,10 @@ RUNS ?=
 TARGET_TOP1 ?=
 RUN_TIMEOUT_S ?=
 export PARAMS GRID REPORT_DIR RUNS TARGET_TOP1 RUN_TIMEOUT_S
-PAPERMILL := PYTHONPATH=$(CURDIR) $(BIN)/papermill -k python3 --cwd $(CURDIR) --no-progress-bar --log-output
+# ipykernel warns on every start that its local TCP sockets are unencrypted (they listen on 127.0.0.1 only);
+# that one line is dropped from the kernel's stderr, everything else passes.
+QUIET_KERNEL := 2> >(grep -v --line-buffered 'Kernel is running over TCP without encryption' >&2)
+PAPERMILL := PYTHONPATH=$(CURDIR) $(BIN)/papermill -k hetero --cwd $(CURDIR) --no-progress-bar --log-output
 lower = $(shell printf '%s' '$(1)' | tr A-Z a-z)
 GRID_OVERRIDES := $(foreach v,$(FIELDS) RUN_TIMEOUT_S,$(if $(value $(v)),-y "$(call lower,$(v)): $$$(v)")) \
 	$(if $(filter command line environment,$(origin NPROC)),-p nproc $(NPROC))
@@ -82,30 +104,31 @@ GRID_OVERRIDES := $(foreach v,$(FIELDS) RUN_TIMEOUT_S,$(if $(value $(v)),-y "$(c
 define grid_recipe  # $(1): grid name, $(2): parameter file
 	PYTHONPATH=$(CURDIR) $(BIN)/python -m hetero.grid --check -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs
 	mkdir -p runs/$(1)
-	$(PAPERMILL) notebooks/grid.ipynb runs/$(1)/grid.ipynb -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs
+	$(PAPERMILL) notebooks/grid.ipynb runs/$(1)/grid.ipynb -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs \
+		$(QUIET_KERNEL)
 endef
 define report_recipe  # $(1): grid folder, $(2): output folder
 	mkdir -p $(2)
 	$(PAPERMILL) notebooks/report.ipynb $(2)/report.ipynb -p grid_dir $(1) -p out_dir $(2) \
 		$(if $(RUNS),-y "run_dirs: [$$(printf '%s, ' $$RUNS | sed 's/, $$//')]") \
-		$(if $(TARGET_TOP1),-p target_top1 "$$TARGET_TOP1")
+		$(if $(TARGET_TOP1),-p target_top1 "$$TARGET_TOP1") $(QUIET_KERNEL)
 	$(BIN)/jupyter nbconvert --to html --no-input --log-level WARN $(2)/report.ipynb
 	@echo "report: $(2)/report.html (figures: $(2)/*.png, *.svg; table: $(2)/summary.csv)"
 endef
 .PHONY: grid report lab demo
 
-grid: $(STAMP)  ## a grid of runs from PARAMS=notebooks/params/NAME.yaml into runs/GRID (default: the file's name)
+grid: $(STAMP) $(KERNEL)  ## a grid of runs from PARAMS=notebooks/params/NAME.yaml into runs/GRID (default: the file's name)
 	$(call grid_recipe,"$$GRID","$$PARAMS")
 
-report: $(STAMP)  ## the HTML report (no code) and figures of runs/GRID, or of RUNS='runs/a runs/b'
+report: $(STAMP) $(KERNEL)  ## the HTML report (no code) and figures of runs/GRID, or of RUNS='runs/a runs/b'
 	$(call report_recipe,runs/"$$GRID","$$REPORT_DIR")
 
-LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)  # e.g. --no-browser --ip=0.0.0.0 --port=8888
-lab: $(STAMP)  ## JupyterLab on notebooks/ with this checkout's kernel "Python (hetero)" (LAB_ARGS=...)
-	$(BIN)/python -m ipykernel install --user --name hetero --display-name "Python (hetero)" >/dev/null
-	PYTHONPATH=$(CURDIR) $(BIN)/jupyter lab --notebook-dir=$(CURDIR) $(LAB_ARGS) notebooks/
+LAB_ARGS ?=  # added to the defaults, e.g. --no-browser --ip=0.0.0.0 --port=8888
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)  # as root JupyterLab refuses to start without it
+lab: $(STAMP) $(KERNEL)  ## JupyterLab on notebooks/ with this checkout's kernel "Python (hetero)" (LAB_ARGS=...)
+	PYTHONPATH=$(CURDIR) $(BIN)/jupyter lab --notebook-dir=$(CURDIR) $(LAB_ROOT) $(LAB_ARGS) notebooks/
 
-demo: $(STAMP)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slower) and its report, ~3 min on 2 CPUs
+demo: $(STAMP) $(KERNEL)  ## the main job: a small grid (tiny model, 2 ranks, one 3x slower) and its report, about 4 min on 2 CPUs
 	$(call grid_recipe,demo,notebooks/params/demo.yaml)
 	$(call report_recipe,runs/demo,runs/demo/report)
 # --- end grids and reports ---
@@ -122,10 +145,9 @@ export NOISE
 sim-bench: $(STAMP)  ## simulator benchmark: affine vs the paper's rule, 2/16/1024 workers (~10 s; NOISE=)
 	$(BIN)/python -m hetero.simbench --noise "$$NOISE"
 
-sim-notebook: $(STAMP)  ## the balancers notebook on simulated scenarios, into runs/sim/balancers.html (~1 min)
+sim-notebook: $(STAMP) $(KERNEL)  ## the balancers notebook on simulated scenarios, into runs/sim/balancers.html (~1 min)
 	mkdir -p runs/sim
-	PYTHONPATH=$(CURDIR) $(BIN)/papermill -k python3 --cwd $(CURDIR) --no-progress-bar \
-		notebooks/balancers.ipynb runs/sim/balancers.ipynb
+	$(PAPERMILL) notebooks/balancers.ipynb runs/sim/balancers.ipynb $(QUIET_KERNEL)
 	$(BIN)/jupyter nbconvert --to html --no-input --log-level WARN runs/sim/balancers.ipynb
 # --- end simulator ---
 
@@ -139,7 +161,7 @@ OUT :=
 export OUT
 .PHONY: bench gpu-check
 
-bench: $(STAMP)  ## benchmarks on CPU ranks (~8 min on 2 cores; QUICK=1 ~3 min): runs/bench/<time>/bench.json
+bench: $(STAMP)  ## benchmarks on CPU ranks (about 9 min on 2 cores; QUICK=1 about 4 min): runs/bench/<time>/bench.json
 	$(BIN)/python -m hetero.bench $(if $(QUICK),--quick) $${OUT:+--out "$$OUT"}
 
 gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): OUT=runs/gpu_check.json (and .md)

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
@@ -36,40 +36,53 @@ def type_problem(name: str, value: object) -> str:
     return f"{name} must be {what} (got {value!r}, {type(value).__name__})"
 
 
+# Choices of the enumerated fields (models.MODELS and partition.SCHEMES hold the same names; a test checks it).
+MODEL_CHOICES = ("vgg11", "vgg13", "vgg16", "vgg19", "resnet18", "resnet34", "resnet50", "tiny", "tiny_nobn")
+SCHEME_CHOICES = ("sync", "dp", "edp", "affine")
+DATA_CHOICES = ("cifar10", "imagefolder", "synthetic")
+BACKEND_CHOICES = ("auto", "gloo", "nccl")
+
+
+def _opt(default, help: str, choices: tuple[str, ...] = ()):  # noqa: A002 - argparse's word
+    """A Config field with its --help text (and choices): the one source for the parser, make help and README."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
-    model: str = "vgg16"              # vgg11/13/16/19, resnet18/34/50, tiny, tiny_nobn
-    scheme: str = "edp"               # sync, dp, edp (the paper's) or affine (model-based)
-    hetero: str = ""                  # heterogeneity emulation spec, e.g. "1:delay=0.1" (README: grammar)
-    epochs: int = 150
-    global_batch: int = 256           # samples per step over all ranks (B)
-    min_batch: int = 1                # smallest per-rank batch any scheme may assign
-    sit_out: bool = False             # affine: a rank whose fixed cost alone exceeds the balanced step sits out
-    max_batch: str = "0"              # largest batch per rank (0: no limit; probe: find it on a GPU); or per rank "256,64"
-    lr: float = 0.1                   # SGD, Nesterov momentum, cosine schedule over the epochs
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    data: str = "cifar10"             # cifar10, imagefolder (DATA_DIR/train/<class>/*, DATA_DIR/test/...), synthetic
-    data_dir: str = "data"            # cifar10 is downloaded here when missing; the image folder's root
-    subset: int = 0                   # train on this many samples (0: all)
-    test_subset: int = 0              # evaluate on this many test samples (0: the full test set)
-    augment: bool = True              # random crop (4-pixel padding) and horizontal flip, as the paper
-    seed: int = 0
-    device: str = "auto"              # auto, cpu, cuda (cuda:LOCAL_RANK) or cuda:K; or one per global rank "cuda,cpu"
-    backend: str = "auto"             # auto (nccl when every rank has a GPU, else gloo), gloo, nccl
-    threads: str = "0"                # torch CPU threads (0: the host's cores / local ranks); or one per rank "4,1"
-    affinity: str = ""                # CPU cores per rank, e.g. "0,1" or "0-3,4-7" ("": not pinned)
-    rebalance_every: int = 0          # re-decide batch sizes every K steps (0: at epoch ends only)
-    smoothing: float = 0.0            # weight of the previous estimate in the balancer's moving average
-    deadband: float = 0.0             # keep batch sizes unless the predicted step time drops by more than this
-    timeout_s: float = 300.0          # collective timeout: a dead peer ends the run after this long
-    run_dir: str = ""                 # the run folder (default: runs/<time>-<model>-<scheme>)
-    overwrite: bool = False           # replace a run folder that already holds a run
-    resume: str = ""                  # a run folder to continue from its last checkpoint (its config is reused)
-    replay: str = ""                  # a run folder whose recorded batch sizes this run reuses
-    eval_batch: int = 1000            # per-rank evaluation batch size
-    bf16: bool = False                # bf16 autocast for forward and loss (GPU fast path)
-    channels_last: bool = False       # channels-last memory format for model and batches (GPU fast path)
+    model: str = _opt("vgg16", "the network", MODEL_CHOICES)
+    scheme: str = _opt("edp", "how work is split: sync, dp, edp are the paper's, affine is model-based", SCHEME_CHOICES)
+    hetero: str = _opt("", 'heterogeneity emulation spec, e.g. "1:delay=0.1" (README: grammar)')
+    epochs: int = _opt(150, "training epochs")
+    global_batch: int = _opt(256, "samples per step over all ranks (B)")
+    min_batch: int = _opt(1, "smallest per-rank batch any scheme may assign")
+    sit_out: bool = _opt(False, "affine: a rank whose fixed cost alone exceeds the balanced step sits out")
+    max_batch: str = _opt("0", 'largest batch per rank (0: no limit; probe: find it on a GPU); or per rank "256,64"')
+    lr: float = _opt(0.1, "SGD learning rate (Nesterov momentum, cosine schedule over the epochs)")
+    momentum: float = _opt(0.9, "SGD momentum")
+    weight_decay: float = _opt(5e-4, "SGD weight decay")
+    data: str = _opt("cifar10", "imagefolder: DATA_DIR/train/<class>/*, DATA_DIR/test/...", DATA_CHOICES)
+    data_dir: str = _opt("data", "cifar10 is downloaded here when missing; the image folder's root")
+    subset: int = _opt(0, "train on this many samples (0: all)")
+    test_subset: int = _opt(0, "evaluate on this many test samples (0: the full test set)")
+    augment: bool = _opt(True, "random crop (4-pixel padding) and horizontal flip, as the paper")
+    seed: int = _opt(0, "seeds the model, the shuffles and the emulated delays")
+    device: str = _opt("auto", 'auto, cpu, cuda (cuda:LOCAL_RANK) or cuda:K; or one per global rank "cuda,cpu"')
+    backend: str = _opt("auto", "auto: nccl when every rank has a GPU, else gloo", BACKEND_CHOICES)
+    threads: str = _opt("0", 'torch CPU threads (0: the host\'s cores / local ranks); or one per rank "4,1"')
+    affinity: str = _opt("", 'CPU cores per rank, e.g. "0,1" or "0-3,4-7" ("": not pinned)')
+    rebalance_every: int = _opt(0, "re-decide batch sizes every K steps (0: at epoch ends only)")
+    smoothing: float = _opt(0.0, "weight of the previous estimate in the balancer's moving average, in [0, 1)")
+    deadband: float = _opt(0.0, "keep batch sizes unless the predicted step time drops by more than this fraction")
+    timeout_s: float = _opt(300.0, "collective timeout in seconds: a dead peer ends the run after this long")
+    run_dir: str = _opt("", "the run folder (empty: runs/<model>-<scheme>-<torchrun's run id>; "
+                                 "outside torchrun runs/<time>-<model>-<scheme>)")
+    overwrite: bool = _opt(False, "replace a run folder that already holds a run")
+    resume: str = _opt("", "a run folder to continue from its last checkpoint (its config is reused)")
+    replay: str = _opt("", "a run folder whose recorded batch sizes this run reuses")
+    eval_batch: int = _opt(1000, "per-rank evaluation batch size")
+    bf16: bool = _opt(False, "bf16 autocast for forward and loss (GPU fast path)")
+    channels_last: bool = _opt(False, "channels-last memory format for model and batches (GPU fast path)")
 
     def __post_init__(self):
         from .emulator import parse_hetero
@@ -248,16 +261,48 @@ class CliParser(argparse.ArgumentParser):
         self.exit(2, f"hetero: error: {message} (see --help)\n")
 
 
+def _shown(value) -> str:
+    """A default as it is typed on the command line."""
+    return str(value).lower() if isinstance(value, bool) else ('""' if value == "" else str(value))
+
+
+def flag_help(name: str) -> str:
+    """One field's help line: its meaning, choices and default (the text of --help, make help and the README)."""
+    f = next(f for f in fields(Config) if f.name == name)
+    choices = f.metadata.get("choices") or (("true", "false") if str(f.type) == "bool" else ())
+    return f"{f.metadata.get('help', '')} (" + (f"choices: {', '.join(choices)}; " if choices else "") + \
+        f"default: {_shown(f.default)})"
+
+
 def build_parser(prog: str = "python -m hetero.train") -> argparse.ArgumentParser:
     """One flag per Config field; booleans take an optional true/false so Make can pass `--overwrite $(OVERWRITE)`."""
-    p = CliParser(prog=prog, allow_abbrev=False, description="Heterogeneity-aware DDP training (run under torchrun).")
+    p = CliParser(prog=prog, allow_abbrev=False, description="Heterogeneity-aware DDP training (run under torchrun). "
+                  "Every flag --foo-bar is also the Make variable FOO_BAR= and the notebook parameter foo_bar.")
     for f in fields(Config):
         kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type)]
+        # the help text is escaped for argparse's %-formatting; choices are checked by Config (one-line errors)
+        text = flag_help(f.name).replace("%", "%%")
         if kind is _bool:
-            p.add_argument(f"--{_flag(f.name)}", type=_bool, nargs="?", const=True, default=f.default)
+            p.add_argument(f"--{_flag(f.name)}", type=_bool, nargs="?", const=True, default=f.default,
+                           metavar="BOOL", help=text)
         else:
-            p.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default)
+            p.add_argument(f"--{_flag(f.name)}", type=kind, default=f.default, metavar=f.name.upper(), help=text)
     return p
+
+
+def _md(text: str) -> str:
+    """Plain text as a Markdown table cell: <class> is not a tag, * not emphasis, | not a column."""
+    return text.replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*").replace("|", "/")
+
+
+def flag_table(markdown: bool = False) -> str:
+    """Every field as Make variable, flag and help line: plain text for make help, a table for the README."""
+    rows = [(f.name.upper(), f"--{_flag(f.name)}", flag_help(f.name)) for f in fields(Config)]
+    if markdown:
+        return "\n".join(["| Make variable | flag | meaning (choices; default) |", "|---|---|---|",
+                          *(f"| `{v}` | `{fl}` | {_md(h)} |" for v, fl, h in rows)])
+    width = max(len(v) for v, _, _ in rows) + 2
+    return "\n".join(f"  {v:<{width}}{h}" for v, _, h in rows)
 
 
 _UNSET = object()
@@ -281,3 +326,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
 
 def default_run_dir(cfg: Config, stamp: str) -> Path:
     return Path("runs") / f"{stamp}-{cfg.model}-{cfg.scheme}"
+
+
+if __name__ == "__main__":  # make help (plain) and the README's flag table (--markdown)
+    import sys
+
+    print(flag_table(markdown="--markdown" in sys.argv[1:]))

@@ -48,6 +48,7 @@ def clean_env(extra_path: list[str] | None = None, threads: str | None = None) -
     env["PYTHONPATH"] = os.pathsep.join([*(extra_path or []), str(ROOT), env.get("PYTHONPATH", "")])
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, set so that it prints no banner about it
     return env
 
 

@@ -208,10 +208,25 @@ def show(fig: plt.Figure, out_dir: str | Path | None = None, name: str = "", alt
         save(fig, out_dir, name)
     alt = alt or " ".join(" ".join(t.get_text().split()).rstrip(".") + "." for t in reversed(fig.texts)) or name
     png = print_figure(fig, "png", bbox_inches="tight", base64=True)  # what the inline backend would show
-    display({"image/png": png, "text/plain": repr(fig),
+    # text/plain is what logs and consoles print (papermill --log-output): a short label, not "<Figure size ...>"
+    display({"image/png": png, "text/plain": f"[figure{' ' + name if name else ''}: {alt[:100]}]",
              "text/html": f'<img src="data:image/png;base64,{png}" alt="{html.escape(alt)}" style="max-width: 100%">'},
             raw=True, metadata={"image/png": {"alt": alt}})
     plt.close(fig)
+
+
+def markdown(text: str) -> None:
+    """Display Markdown, with the text itself (not an object's repr) as its plain-text form for logs."""
+    from IPython.display import display
+
+    display({"text/markdown": text, "text/plain": text}, raw=True)
+
+
+def table(df: pd.DataFrame) -> None:
+    """Display a table without its index: HTML in the notebook, the plain table (not a Styler's repr) in logs."""
+    from IPython.display import display
+
+    display({"text/html": df.style.hide(axis="index").to_html(), "text/plain": df.to_string(index=False)}, raw=True)
 
 
 FIGURES = {"curves_epoch": lambda f: curves(f, "epoch"), "curves_time": lambda f: curves(f, "time"),

@@ -332,8 +332,9 @@ class Trainer:
             epoch = self.epoch + 1
             lr = self.opt.param_groups[0]["lr"]
             steps = len(self.train) // cfg.global_batch
+            # a step-by-step bar on a terminal only: in a log file each refresh is a line; the epoch line follows
             bar = tqdm(total=steps, desc=f"epoch {epoch}/{cfg.epochs}", leave=False, dynamic_ncols=True,
-                       file=sys.stderr) if w.is_main else None
+                       file=sys.stderr) if w.is_main and sys.stderr.isatty() else None
             r = self.train_epoch(epoch, bar)
             if bar is not None:
                 bar.close()

@@ -7,10 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
+from hetero.balancer import Balancer
+from hetero.config import Config
 from hetero.launch import ROOT, clean_env, torchrun_cmd
+from hetero.partition import SCHEMES
 
 CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
 
@@ -23,7 +27,7 @@ def _env() -> dict[str, str]:
     return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
-def run_train(args: list[str], nproc: int = 1, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+def run_train(args: list[str], nproc: int = 1, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m hetero.train ARGS` (nproc=0) or `torchrun --standalone --nproc-per-node=N -m hetero.train ARGS`."""
     cmd = [sys.executable, "-m", "hetero.train", *args] if nproc == 0 else torchrun_cmd(nproc, args)
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
@@ -35,10 +39,38 @@ def run_train(args: list[str], nproc: int = 1, timeout: float = 300, check: bool
 
 def read_run(run_dir: Path) -> dict:
     """The run folder's tables and JSON files."""
-    out = {t: pd.read_csv(run_dir / f"{t}.csv") for t in ("epochs", "ranks", "steps")}
+    # floats read back exactly as written (Python's repr), so recorded times replay exactly: pandas 3 does so by
+    # default (and deprecates the option); older pandas needs round_trip
+    exact = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
+    out = {t: pd.read_csv(run_dir / f"{t}.csv", **exact) for t in ("epochs", "ranks", "steps")}
     out["summary"] = json.loads((run_dir / "summary.json").read_text())
     out["config"] = json.loads((run_dir / "config.json").read_text())
     return out
+
+
+def replay_decisions(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(recorded, replayed) batch sizes [epochs * steps, world]: a fresh Balancer is fed the run's own recorded
+    per-step compute times at the trainer's decision points (every REBALANCE_EVERY steps and at epoch ends). Equal
+    arrays prove the trainer decides from what it measured, whatever the machine's speed or noise."""
+    r = read_run(run_dir)
+    cfg, world = Config(**r["config"]["config"]), r["config"]["world_size"]
+    bal = Balancer(SCHEMES[cfg.scheme].rule, world, cfg.global_batch, cfg.min_batch, cfg.max_batches(world),
+                   cfg.smoothing, cfg.deadband, sit_out=cfg.sit_out)
+    recorded, replayed = [], []
+    for _, ep in r["steps"].groupby("epoch"):
+        sizes = ep.pivot(index="step", columns="rank", values="batch_size").to_numpy()
+        times = ep.pivot(index="step", columns="rank", values="compute_s").to_numpy()
+        last = 0
+        for step in range(len(sizes)):
+            if cfg.rebalance_every and step and step % cfg.rebalance_every == 0:
+                bal.observe(sizes[last:step], times[last:step])
+                bal.decide()
+                last = step
+            replayed.append(np.array(bal.sizes_for_step(step)))
+        bal.observe(sizes[last:], times[last:])
+        bal.decide()
+        recorded.append(sizes)
+    return np.concatenate(recorded), np.stack(replayed)
 
 
 @pytest.fixture

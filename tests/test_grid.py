@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import pandas as pd
+import psutil
 import pytest
 
 from hetero import grid as hg
@@ -77,12 +77,16 @@ def test_command_resumes_an_interrupted_run_and_overwrites_a_broken_one(tmp_path
 
 
 def test_timeout_stops_the_whole_process_group(tmp_path):
-    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \
-            "print('started', flush=True); time.sleep(60)"
-    t0 = time.perf_counter()
-    assert hg.launch([sys.executable, "-c", child], tmp_path / "log", timeout_s=1) is None
-    assert time.perf_counter() - t0 < 20
-    assert "started" in (tmp_path / "log").read_text()
+    # the child starts a grandchild and reports its pid; both would sleep for 10 minutes
+    child = "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; " \
+            "time.sleep(600)']); print('started', g.pid, flush=True); time.sleep(600)"
+    assert hg.launch([sys.executable, "-c", child], tmp_path / "log", timeout_s=5) is None  # time to start python
+    words = (tmp_path / "log").read_text().split()
+    assert words[0] == "started"
+    try:  # the grandchild was stopped with its group: it is gone, or a zombie its new parent has yet to reap
+        assert psutil.Process(int(words[1])).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
 
 
 def test_error_is_the_root_cause_line(tmp_path):

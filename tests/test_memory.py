@@ -85,7 +85,7 @@ def test_config_takes_probe_per_rank():
 
 def test_probe_on_cpu_ranks_means_no_limit_and_limits_still_hold(tmp_path):
     run = tmp_path / "run"
-    p = run_train([*TINY, "--epochs", "3", "--scheme", "dp", "--hetero", "0:slowdown=4", "--threads", "1",
+    p = run_train([*TINY, "--epochs", "3", "--scheme", "dp", "--hetero", "0:slowdown=8", "--threads", "1",
                    "--max-batch", "probe,40", "--run-dir", str(run)], nproc=2)
     assert "largest batch per rank (--max-batch probe,40): -,40" in p.stdout
     r = read_run(run)

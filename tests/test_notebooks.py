@@ -100,6 +100,25 @@ def executed(tmp_path_factory):
     return tmp
 
 
+NOISE = ("<Figure size", "Styler at 0x", "Markdown object>", "Empty DataFrame")  # reprs printed into logs
+
+
+def _plain_text(nb) -> str:
+    """What papermill --log-output prints of a notebook: streams and the text/plain of every output."""
+    return "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
+                     for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def test_notebook_outputs_have_no_object_reprs(executed):
+    grid = nbformat.read(executed / "grid.ipynb", as_version=4)
+    report = nbformat.read(executed / "report" / "report.ipynb", as_version=4)
+    for nb in (grid, report):
+        text = _plain_text(nb)
+        assert not [n for n in NOISE if n in text], text
+    assert "every run completed" in _plain_text(grid)
+    assert "Sync-SGD" in _plain_text(report)  # the summary table as plain text
+
+
 def test_grid_notebook_runs_the_grid_and_shows_figures(executed):
     table = pd.read_csv(executed / "nb" / "grid.csv", keep_default_na=False)
     assert list(table["status"]) == ["completed", "completed"], table["error"].tolist()

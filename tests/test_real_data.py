@@ -3,8 +3,8 @@ import pytest
 
 from conftest import CIFAR_JPG, read_run, run_train
 
-pytestmark = pytest.mark.skipif(not (CIFAR_JPG / "train").is_dir(),
-                                reason=f"real CIFAR-10 images not found at {CIFAR_JPG}")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (CIFAR_JPG / "train").is_dir(),
+                                                   reason=f"real CIFAR-10 images not found at {CIFAR_JPG}")]
 
 
 def test_edp_and_sync_on_real_cifar10(tmp_path):

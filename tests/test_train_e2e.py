@@ -1,6 +1,9 @@
-"""End to end through torchrun: the paper's DP rule moves work off a 3x slower rank, the run folder is complete,
-compute time excludes waiting, and the distributed evaluation is exact."""
+"""End to end through torchrun: the paper's DP rule moves work off a much slower rank, deciding from exactly what
+it measured; the run folder is complete; compute time excludes waiting; the distributed evaluation is exact.
+One launch serves every test here (module-scoped). The emulated slowdown (8x) is far larger than what a shared or
+busy 2-core host does to either rank (a busy loop on the other vCPU: about 2-3x), so the direction is certain."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -8,12 +11,10 @@ from hetero.data import DeviceLoader, load_data
 from hetero.models import build_model
 from hetero.train import evaluate
 
-from conftest import read_run, run_train
+from conftest import read_run, replay_decisions, run_train
 
-# A large global batch keeps the per-step fixed cost small against the per-sample work, so the paper's rule (which
-# assumes step time proportional to batch) has its textbook fixed point: a 3x slower rank gets 1/4.
 ARGS = ["--model", "tiny", "--data", "synthetic", "--subset", "8192", "--test-subset", "1000",
-        "--global-batch", "512", "--epochs", "3", "--threads", "1"]
+        "--global-batch", "512", "--epochs", "3", "--threads", "1", "--scheme", "dp", "--hetero", "1:slowdown=8"]
 
 EPOCH_COLS = {"epoch", "train_time_s", "epoch_time_s", "eval_time_s", "train_loss", "train_top1", "test_loss",
               "test_top1", "test_top5", "lr"}
@@ -23,30 +24,40 @@ SUMMARY_KEYS = {"train_time_s", "final_test_top1", "best_test_top1", "scheme", "
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("e2e")
-    out = {}
-    for name, extra in {"slow": ["--scheme", "dp", "--hetero", "1:slowdown=3"],
-                        "even": ["--scheme", "dp"]}.items():
-        run_train([*ARGS, *extra, "--run-dir", str(base / name)], nproc=2)
-        out[name] = base / name
-    return out
+def launch(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "slow"
+    return out, run_train([*ARGS, "--run-dir", str(out)], nproc=2)
 
 
-def test_dp_moves_share_to_a_quarter(runs):
-    r = read_run(runs["slow"])
-    last = r["ranks"][r["ranks"].epoch == 3].set_index("rank")
-    assert abs(last.loc[1, "share"] - 0.25) < 0.05, last
+@pytest.fixture(scope="module")
+def run(launch):
+    return launch[0]
+
+
+def test_output_to_a_file_is_one_line_per_epoch(launch):
+    p = launch[1]  # stdout and stderr are pipes, not a terminal: no progress bar
+    assert [ln.split("|")[0].split() for ln in p.stdout.splitlines() if ln.startswith("epoch")] == \
+        [["epoch", f"{e}/3"] for e in (1, 2, 3)]
+    assert "it/s" not in p.stderr and "s/it" not in p.stderr and "\r" not in p.stderr
+    assert "OMP_NUM_THREADS" not in p.stderr  # torchrun's banner: the variable is set for it
+
+
+def test_dp_moves_work_off_the_slow_rank_deciding_from_its_measurements(run):
+    r = read_run(run)
     assert r["ranks"][r["ranks"].epoch == 1].share.tolist() == [0.5, 0.5]   # starts equal
+    last = r["ranks"][r["ranks"].epoch == 3].set_index("rank")
+    assert last.loc[1, "share"] < 0.35, last                                 # 1/9 without noise
+    recorded, replayed = replay_decisions(run)
+    np.testing.assert_array_equal(recorded, replayed)                        # every decision, exactly
     assert r["summary"]["status"] == "completed"
 
 
-def test_run_folder_has_every_file_and_column(runs):
-    r = read_run(runs["slow"])
+def test_run_folder_has_every_file_and_column(run):
+    r = read_run(run)
     assert EPOCH_COLS <= set(r["epochs"].columns) and r["epochs"].epoch.tolist() == [1, 2, 3]
     assert RANK_COLS <= set(r["ranks"].columns) and len(r["ranks"]) == 6
     assert SUMMARY_KEYS <= set(r["summary"])
-    assert r["summary"]["world_size"] == 2 and r["summary"]["hetero"] == "1:slowdown=3"
+    assert r["summary"]["world_size"] == 2 and r["summary"]["hetero"] == "1:slowdown=8"
     cfg = r["config"]
     assert {"config", "git_commit", "versions", "host", "world_size", "backend"} <= set(cfg)
     assert cfg["config"]["scheme"] == "dp" and cfg["backend"] == "gloo"
@@ -58,18 +69,15 @@ def test_run_folder_has_every_file_and_column(runs):
     assert (r["ranks"].groupby("epoch").samples.sum() == 8192 // 512 * 512).all()
 
 
-def test_fast_rank_compute_excludes_waiting(runs):
-    slow, even = read_run(runs["slow"])["ranks"], read_run(runs["even"])["ranks"]
-    per_sample = lambda df: (df[df["rank"] == 0].compute_s.sum() / df[df["rank"] == 0].samples.sum())
-    # rank 0 waits a lot for rank 1 in epoch 1 of the slow run, yet its compute per sample does not grow
-    assert per_sample(slow[slow.epoch == 1]) < 1.5 * per_sample(even[even.epoch == 1])
-    first = slow[slow.epoch == 1].set_index("rank")
-    assert first.loc[0, "wait_s"] > first.loc[0, "compute_s"]        # it did wait: the slow rank is 3x slower
+def test_fast_rank_compute_excludes_waiting(run):
+    first = read_run(run)["ranks"].query("epoch == 1").set_index("rank")  # equal batches: rank 1 is 8x slower
+    # rank 0 spends most of the epoch waiting for rank 1; were waiting counted as compute, it would look as slow
+    assert first.loc[0, "wait_s"] > first.loc[0, "compute_s"]
     assert first.loc[1, "compute_s"] > 2 * first.loc[0, "compute_s"]
+    assert first.loc[1, "wait_s"] < first.loc[0, "wait_s"]
 
 
-def test_distributed_evaluation_equals_single_process(runs):
-    run = runs["slow"]
+def test_distributed_evaluation_equals_single_process(run):
     r = read_run(run)
     model = build_model("tiny")
     model.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=False)["model"])

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import CliParser
 from .launch import clean_env, torchrun_cmd
-from .measure import CliParser, launch
+from .measure import launch
 
 
 def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0) -> None:

@@ -193,7 +193,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
 
     import hetero.grid as hg
 
-    g = hg.plan(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=60, **{**GRID, "epochs": 1000})
+    g = hg.plan_grid(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=60, **{**GRID, "epochs": 1000})
     seen, stopped = set(), []
 
     def stop_rank_1():  # the run's processes carry its folder on their command line
@@ -224,7 +224,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
 def test_two_identical_grids_at_once_train_each_run_once(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    code = (f"from hetero.grid import plan, run_grid; run_grid(plan(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
+    code = (f"from hetero.grid import plan_grid, run_grid; run_grid(plan_grid(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
             f"seed=[0, 1], epochs=2, **{GRID!r}), progress=False)")
     env = {**_env(), "TMPDIR": str(tmp)}
     grids = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -14,20 +14,16 @@ import numpy as np
 import pandas as pd
 
 from .emulator import parse_hetero
+from .launch import from_root
+from .partition import SCHEMES
 from .runlog import status as run_status
 
-SCHEMES = {"sync": "Sync-SGD", "dp": "DP-SGD", "edp": "EDP-SGD", "affine": "Affine"}
-ROOT = Path(__file__).resolve().parents[1]  # the repository: notebooks' relative paths start here
 RUN_KEYS = ["run", "model", "hetero", "setting", "scheme", "scheme_label", "seed"]
 
 
-def from_root(path: str | Path) -> Path:
-    """A notebook path: relative paths are relative to the repository root, wherever the kernel started."""
-    return Path(path) if Path(path).is_absolute() else ROOT / path
-
-
 def scheme_label(scheme: str) -> str:
-    return SCHEMES.get(scheme, scheme)
+    """The scheme's name in tables and figures ("edp" -> "EDP-SGD"); an unknown one as given."""
+    return SCHEMES[scheme].label if scheme in SCHEMES else scheme
 
 
 def hetero_label(spec: str) -> str:

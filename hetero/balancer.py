@@ -23,7 +23,7 @@ class Balancer:
     sit_out: the affine rule may give a rank whose fixed cost alone exceeds the balanced step time batch 0.
     probe_steps: before its first decision the affine rule alternates batch sizes by +-30% on this many first
       steps, so every rank is timed at two sizes (later decisions also learn from the sizes changing).
-    memory: windows kept for the affine fit; a rank's older windows are dropped when its time jumps at an
+    windows_kept: windows kept for the affine fit; a rank's older windows are dropped when its time jumps at an
       unchanged batch size (its speed changed), so a change is followed at the next decision.
     """
     rule: str
@@ -35,7 +35,7 @@ class Balancer:
     deadband: float = 0.0
     sit_out: bool = False
     probe_steps: int = 16
-    memory: int = 4
+    windows_kept: int = 4
     shares: np.ndarray = field(default=None)
     sizes: np.ndarray = field(default=None)
     fixed_s: np.ndarray = field(default=None)
@@ -138,7 +138,7 @@ class Balancer:
         if prior is not None:  # ranks with no new observations (sat out) keep their last estimate
             a, c = np.where(seen, a, self.fixed_s), np.where(seen, c, prior)
         a, c = _fill_unknown(a), _fill_unknown(c)
-        self._windows = np.concatenate([kept, new[None]])[-self.memory:]
+        self._windows = np.concatenate([kept, new[None]])[-self.windows_kept:]
         return a, c
 
     def state_dict(self) -> dict:

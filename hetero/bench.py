@@ -17,8 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from . import overhead, simbench
+from .config import CliParser
 from .launch import ROOT, clean_env, torchrun_cmd
-from .measure import CliParser, LaunchError, add_speedup_vs_sync, launch, markdown_table, run_meta, steady_epochs
+from .measure import LaunchError, add_speedup_vs_sync, launch, markdown_table, run_meta, steady_epochs
 from .partition import SCHEMES, affine_batch_sizes, batch_sizes, predicted_step_s
 
 PARTS = ("balance", "overhead", "balancer")

@@ -274,8 +274,10 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit status 2, not a usage dump
+class CliParser(argparse.ArgumentParser):
+    """argparse with the project's bad-input convention: one line `hetero: error: ...` and exit status 2."""
+
+    def error(self, message: str):  # not a usage dump
         self.exit(2, f"hetero: error: {message} (see --help)\n")
 
 
@@ -294,8 +296,8 @@ def flag_help(name: str) -> str:
 
 def build_parser(prog: str = "python -m hetero.train") -> argparse.ArgumentParser:
     """One flag per Config field; booleans take an optional true/false so Make can pass `--overwrite $(OVERWRITE)`."""
-    p = _Parser(prog=prog, allow_abbrev=False, description="Heterogeneity-aware DDP training (run under torchrun). "
-                "Every flag --foo-bar is also the Make variable FOO_BAR= and the notebook parameter foo_bar.")
+    p = CliParser(prog=prog, allow_abbrev=False, description="Heterogeneity-aware DDP training (run under torchrun). "
+                  "Every flag --foo-bar is also the Make variable FOO_BAR= and the notebook parameter foo_bar.")
     for f in fields(Config):
         kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type)]
         # the help text is escaped for argparse's %-formatting; choices are checked by Config (one-line errors)

@@ -1,7 +1,7 @@
 """Experiment grids: the product of parameter lists, each cell one torchrun launch of `hetero.train`.
 
-    from hetero.grid import plan, run_grid
-    g = plan(grid="demo", model="tiny", scheme=["sync", "dp", "edp"], hetero="1:slowdown=3", seed=[0, 1],
+    from hetero.grid import plan_grid, run_grid
+    g = plan_grid(grid="demo", model="tiny", scheme=["sync", "dp", "edp"], hetero="1:slowdown=3", seed=[0, 1],
              epochs=4, data="synthetic", subset=2048, nproc=2)
     table = run_grid(g)          # one row per run, also written to runs/demo/grid.csv
 
@@ -25,8 +25,8 @@ from typing import Any
 
 import pandas as pd
 
-from .config import Config, ConfigError, type_problem
-from .launch import run_logged, torchrun_cmd
+from .config import CliParser, Config, ConfigError, type_problem
+from .launch import from_root, run_logged, torchrun_cmd
 from .runlog import status as run_status
 
 GRID_KEYS = ("grid", "nproc", "runs_root", "run_timeout_s")  # grid-level parameters; the rest are Config fields
@@ -82,7 +82,7 @@ def _as_list(value: Any) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def plan(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_s: float = 3600.0,
+def plan_grid(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_timeout_s: float = 3600.0,
          **config: Any) -> Grid:
     """Expand and validate a grid; raises GridError listing every bad run. Nothing is launched or written."""
     unknown = sorted(set(config) - set(CONFIG_KEYS))
@@ -300,8 +300,8 @@ def _write_table(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def plan_from(namespace: dict[str, Any]) -> Grid:
-    """plan() from a notebook's variables (those named like a grid parameter or a Config field); a relative
+def plan_grid_from(namespace: dict[str, Any]) -> Grid:
+    """plan_grid() from a notebook's variables (those named like a grid parameter or a Config field); a relative
     runs_root is relative to the repository root, wherever the kernel started."""
     params = {k: v for k, v in namespace.items() if k in PARAMETERS}
     # A notebook holds other variables too, so only a near miss of a parameter's name (papermill's `-p epochz 3`,
@@ -311,9 +311,8 @@ def plan_from(namespace: dict[str, Any]) -> Grid:
             and difflib.get_close_matches(k, PARAMETERS, 1, cutoff=0.75)]
     if near:
         raise GridError("\n".join(near))
-    root = Path(params.get("runs_root", "runs"))
-    params["runs_root"] = root if root.is_absolute() else Path(__file__).resolve().parents[1] / root
-    return plan(**params)
+    params["runs_root"] = from_root(params.get("runs_root", "runs"))
+    return plan_grid(**params)
 
 
 def failures(table: pd.DataFrame) -> pd.DataFrame:
@@ -346,10 +345,8 @@ def read_parameters(files: list[str], yamls: list[str], pairs: list[tuple[str, s
 def main(argv: list[str] | None = None) -> int:
     """`python -m hetero.grid --check -f PARAMS.yaml [-y YAML] [-p NAME VALUE]`: plan the grid papermill would run
     and print its problems as plain lines (exit 2), or its size (exit 0). Launches and writes nothing."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m hetero.grid", allow_abbrev=False,
-                                description="Check a grid's parameters (as papermill would pass them to grid.ipynb).")
+    p = CliParser(prog="python -m hetero.grid", allow_abbrev=False,
+                  description="Check a grid's parameters (as papermill would pass them to grid.ipynb).")
     p.add_argument("--check", action="store_true", required=True, help="plan and validate only (the only mode)")
     p.add_argument("-f", dest="files", action="append", default=[], help="a YAML parameter file")
     p.add_argument("-y", dest="yamls", action="append", default=[], help="YAML text of parameters")
@@ -357,9 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     try:
         params = read_parameters(ns.files, ns.yamls, ns.pairs)
-        root = Path(params.get("runs_root", "runs"))
-        params["runs_root"] = root if root.is_absolute() else Path(__file__).resolve().parents[1] / root
-        g = plan(**{"grid": "grid", **params})
+        params["runs_root"] = from_root(params.get("runs_root", "runs"))
+        g = plan_grid(**{"grid": "grid", **params})
     except GridError as e:
         for line in str(e).splitlines():
             print(f"hetero: error: {line}", file=sys.stderr)

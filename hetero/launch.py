@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,10 +17,22 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: runs/, notebooks/ and relative paths start here
 # torchrun sets these for its workers; a launch from inside a worker (or a test) must not inherit them
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 MARKER = "HETERO_LAUNCH_ID"
+
+
+def from_root(path: str | Path) -> Path:
+    """A path as notebooks and grids take it: a relative one is relative to the checkout, wherever python started."""
+    return Path(path) if Path(path).is_absolute() else ROOT / path
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for MASTER_PORT); another process may take it before it is bound."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun_cmd(nproc: int, args: list[str], module: str = "hetero.train") -> list[str]:

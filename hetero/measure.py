@@ -3,7 +3,6 @@ run folder, speedup against sync, run metadata and markdown tables. Standard lib
 python with torch can use it (the GPU check)."""
 from __future__ import annotations
 
-import argparse
 import csv
 import importlib
 import json
@@ -16,13 +15,6 @@ from datetime import datetime
 from pathlib import Path
 
 from .launch import ROOT, clean_env, run_logged
-
-
-class CliParser(argparse.ArgumentParser):
-    """argparse with the project's bad-input convention: one line `hetero: error: ...` and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"hetero: error: {message} (see --help)\n")
 
 
 class LaunchError(RuntimeError):
@@ -56,9 +48,10 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(fh))
 
 
-def steady_epochs(run_dir: Path, steady_from: int = 2) -> list[dict[str, str]]:
-    """The rows of a run's epochs.csv from epoch `steady_from` (1-based) on; all of them when the run is shorter."""
-    rows = read_rows(Path(run_dir) / "epochs.csv")
+def steady_epochs(run_dir: Path, steady_from: int = 2, table: str = "epochs") -> list[dict[str, str]]:
+    """The rows of a run's TABLE.csv (epochs, ranks or steps) from epoch `steady_from` (1-based) on; all of them
+    when the run is shorter."""
+    rows = read_rows(Path(run_dir) / f"{table}.csv")
     return [r for r in rows if int(r["epoch"]) >= steady_from] or rows
 
 

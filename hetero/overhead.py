@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import CliParser
 from .launch import clean_env, torchrun_cmd
-from .measure import CliParser, launch
+from .measure import launch
 
 REBALANCE_EVERY = 10  # the API loop's decision interval: its overhead includes the decisions' gathers
 KINDS = ("trainer", "plain", "api", "ddp_loader")

@@ -16,13 +16,15 @@ import numpy as np
 class Scheme:
     rule: str        # how shares are re-decided: "static", "proportional" or "affine"
     weighted: bool   # gradients weighted by b_i/B (exact global-batch gradient) instead of an equal-weight mean
+    label: str       # the name in tables and figures
 
 
+# The schemes in the order of tables and figures (the paper's three, then the model-based one).
 SCHEMES: dict[str, Scheme] = {
-    "sync": Scheme("static", weighted=False),        # paper's Sync-SGD
-    "dp": Scheme("proportional", weighted=False),    # paper's DP-SGD
-    "edp": Scheme("proportional", weighted=True),    # paper's EDP-SGD
-    "affine": Scheme("affine", weighted=True),       # model-based: step time = fixed + per-sample cost
+    "sync": Scheme("static", weighted=False, label="Sync-SGD"),
+    "dp": Scheme("proportional", weighted=False, label="DP-SGD"),
+    "edp": Scheme("proportional", weighted=True, label="EDP-SGD"),
+    "affine": Scheme("affine", weighted=True, label="Affine"),  # step time = fixed + per-sample cost
 }
 
 

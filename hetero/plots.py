@@ -13,8 +13,9 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .analysis import SCHEMES, Frames, time_breakdown
+from .analysis import Frames, time_breakdown
 from .emulator import parse_hetero
+from .partition import SCHEMES
 
 SCHEME_HELP = ("Sync-SGD: equal batches on every rank.  DP-SGD: batches re-sized each epoch to each rank's "
                "measured speed.  EDP-SGD: as DP-SGD, gradients weighted by batch size.")
@@ -28,7 +29,7 @@ def theme() -> None:
 
 def _palette(labels) -> dict[str, tuple]:
     colors = sns.color_palette("colorblind", len(SCHEMES) + 4)
-    known = {label: colors[i] for i, label in enumerate(SCHEMES.values())}
+    known = {s.label: colors[i] for i, s in enumerate(SCHEMES.values())}
     extra = iter(colors[len(SCHEMES):])
     return {label: known.get(label) or next(extra) for label in labels}
 
@@ -232,13 +233,10 @@ FIGURES = {"curves_epoch": lambda f: curves(f, "epoch"), "curves_time": lambda f
            "shares": shares, "step_times": step_hist, "time_breakdown": breakdown}
 
 
-def figures(frames: Frames, out_dir: str | Path | None = None) -> dict[str, plt.Figure]:
-    """Every figure (none when no run completed), saved into out_dir when given."""
+def figures(frames: Frames, out_dir: str | Path | None = None) -> None:
+    """Show every figure with show() (none when no run completed), saving each into out_dir when given."""
     if frames.epochs.empty:
         print("no completed run: nothing to plot")
-        return {}
-    figs = {name: make(frames) for name, make in FIGURES.items()}
-    if out_dir is not None:
-        for name, fig in figs.items():
-            save(fig, out_dir, name)
-    return figs
+        return
+    for name, make in FIGURES.items():
+        show(make(frames), out_dir, name)

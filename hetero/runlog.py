@@ -37,9 +37,8 @@ CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "balancer", "epoch", "trai
 class RunLock:
     """An exclusive flock on RUN_DIR/.lock, held until release() or the process ends."""
 
-    def __init__(self, path: Path, fd: int, created: bool = False):
-        self.path, self.fd, self.created = path, fd, created
-        self.created_parents: list[Path] = []  # folders above path that this job created, deepest first
+    def __init__(self, path: Path, fd: int, created: tuple[Path, ...] = ()):
+        self.path, self.fd, self.created = path, fd, created  # created: the folders this job made, deepest first
 
     def release(self, discard: bool = False) -> None:
         """Drop the lock; with discard, also remove the folder if this job created it and left nothing else in it
@@ -48,12 +47,11 @@ class RunLock:
             return
         if discard and self.created and [p.name for p in self.path.iterdir()] == [LOCK]:
             (self.path / LOCK).unlink(missing_ok=True)  # still holding it, so no job is between open and flock
-            try:
-                self.path.rmdir()
-                for parent in self.created_parents:  # emptied now, unless another job wrote there meanwhile
-                    parent.rmdir()
-            except OSError:
-                pass
+            for folder in self.created:  # the run folder, then the parents made for it, while they are empty
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
         os.close(self.fd)  # closing the only descriptor drops the flock
         self.fd = -1
 
@@ -122,11 +120,10 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
     if resume and not (path / CHECKPOINT).exists():
         raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
     try:  # really try: permission bits say little to root, and read-only file systems say nothing
-        created = not path.exists()
-        parents = [p for p in path.parents if not p.exists()]
+        created = tuple(p for p in (path, *path.parents) if not p.exists())
         path.mkdir(parents=True, exist_ok=True)
         lock = acquire_lock(path)
-        lock.created, lock.created_parents = created, parents
+        lock.created = created
     except OSError as e:
         raise ConfigError(f"run folder {path} is not writable ({e.strerror or e})") from None
     try:

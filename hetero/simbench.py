@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 
 from .balancer import Balancer
-from .measure import CliParser, markdown_table
+from .config import CliParser
+from .measure import markdown_table
 from .partition import SCHEMES
 from .simulator import Scenario, compare
 

@@ -13,10 +13,9 @@ import pytest
 
 from hetero.balancer import Balancer
 from hetero.config import Config
-from hetero.launch import clean_env, torchrun_cmd
+from hetero.launch import ROOT, clean_env, torchrun_cmd
 from hetero.partition import SCHEMES
 
-ROOT = Path(__file__).resolve().parents[1]
 CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
 
 # Small, fast defaults for CPU runs: tiny model, synthetic data, no augmentation noise in timing.

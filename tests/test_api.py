@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -18,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import hetero
+from hetero.launch import free_port
 from hetero.sampler import EpochPlan
 
 
@@ -80,14 +80,8 @@ def test_state_dict_loads_with_weights_only(monkeypatch):
 
 
 # -- two processes ------------------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, tmp_path, *args) -> list[dict]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     mp.spawn(fn, args=(str(tmp_path), *args), nprocs=2, join=True)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -81,6 +81,28 @@ def test_gpu_check_smoke(tmp_path):
     assert d["compute_s"][1] >= d["delay_s"][1]
 
 
+@pytest.mark.parametrize("argv", [["--schemes", "edp,nope"], ["--parts", "pair,x"]])
+def test_gpu_check_bad_input_is_one_line_and_status_2(argv, tmp_path):
+    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(tmp_path / "x.json"), *argv],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("hetero: error: unknown ") and p.stderr.count("\n") == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_gpu_check_report_marks_missing_figures(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from gpu_parts import markdown
+
+    meta = {"date": "d", "host": "h", "device_name": "GPU", "versions": {"torch": "2.x"}, "command": "c"}
+    rows = [{"scheme": "edp", "epoch_s": 2.0, "shares": [0.6, 0.4], "balance_eff": 0.9, "speedup_vs_sync": None},
+            {"scheme": "affine", "error": "LaunchError: exited 1"}]
+    text = markdown({"meta": meta, "pair": {"backend": "gloo", "model": "tiny", "hetero": "1:slowdown=8", "rows": rows},
+                     "throughput": [{"model": "tiny", "path": "float32", "batch": 32, "error": "skipped: out of time"}]})
+    assert text.startswith("# GPU check, d, h: GPU (torch 2.x)")
+    assert "| edp | 2.000 | - | 0.60/0.40 | 0.90 |" in text and "| affine | LaunchError: exited 1 |" in text
+    assert "| tiny | float32 | 32 | skipped: out of time |" in text
+
+
 def test_launch_keeps_the_log_and_names_it_with_its_tail(tmp_path):
     log, py = tmp_path / "logs" / "x.log", sys.executable
     with pytest.raises(measure.LaunchError, match=r"exited 3 \(log .*x.log\):\n(.|\n)*out of cheese"):
@@ -97,6 +119,8 @@ def test_launch_keeps_the_log_and_names_it_with_its_tail(tmp_path):
 def test_steady_epochs_speedup_and_tables(tmp_path):
     (tmp_path / "epochs.csv").write_text("epoch,epoch_time_s,steps\n1,9.0,4\n2,2.0,4\n3,4.0,4\n4,3.0,4\n")
     assert [r["epoch"] for r in measure.steady_epochs(tmp_path, 3)] == ["3", "4"]
+    (tmp_path / "steps.csv").write_text("epoch,step,rank\n1,0,0\n2,0,0\n2,0,1\n")
+    assert len(measure.steady_epochs(tmp_path, table="steps")) == 2
     assert measure.steady_epoch_s(tmp_path) == 3.0 and measure.steady_epoch_s(tmp_path, 9) == 3.5  # short: all
     rows = [{"scheme": "dp", "epoch_s": 2.0}, {"scheme": "sync", "epoch_s": 3.0}, {"scheme": "edp"}]
     measure.add_speedup_vs_sync(rows)

@@ -7,15 +7,14 @@ import re
 import subprocess
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 
 from hetero.config import Config, build_parser, flag_help, flag_table
+from hetero.launch import ROOT
 from hetero.models import MODELS
 from hetero.partition import SCHEMES
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _make(*args: str) -> str:

@@ -15,7 +15,7 @@ TINY = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_
 
 
 def test_product_names_and_per_model_hetero(tmp_path):
-    g = hg.plan(grid="g", runs_root=tmp_path, model=["vgg16", "resnet50"], scheme=["sync", "edp"],
+    g = hg.plan_grid(grid="g", runs_root=tmp_path, model=["vgg16", "resnet50"], scheme=["sync", "edp"],
                 hetero={"vgg16": ["1:delay=0.01", "1:delay=0.02"], "resnet50": "1:delay=0.1"}, seed=[0, 1],
                 lr=[0.1, 0.05], epochs=3)
     assert len(g.runs) == 2 * (2 + 1) * 2 * 2  # seeds x (vgg16 levels + resnet50 levels) x schemes x lrs
@@ -30,7 +30,7 @@ def test_product_names_and_per_model_hetero(tmp_path):
 
 def test_every_bad_run_is_reported_before_anything_starts(tmp_path):
     with pytest.raises(hg.GridError) as e:
-        hg.plan(grid="g", runs_root=tmp_path, nproc=2, scheme=["sync", "nope"], hetero=["1:delay=0.1", "2:delay=0.1"],
+        hg.plan_grid(grid="g", runs_root=tmp_path, nproc=2, scheme=["sync", "nope"], hetero=["1:delay=0.1", "2:delay=0.1"],
                 **{k: v for k, v in TINY.items()})
     lines = str(e.value).splitlines()
     assert len(lines) == 3  # nope x 2 specs, and rank 2 on a world of 2
@@ -41,11 +41,11 @@ def test_every_bad_run_is_reported_before_anything_starts(tmp_path):
                        ({"hetero": {"vgg16": "1:delay=0.1"}}, "no heterogeneity for model"),
                        ({"grid": "a/b"}, "grid name")]:
         with pytest.raises(hg.GridError, match=match):
-            hg.plan(**{"grid": "g", "runs_root": tmp_path, "model": "tiny", **bad})
+            hg.plan_grid(**{"grid": "g", "runs_root": tmp_path, "model": "tiny", **bad})
 
 
 def test_yaml_numbers_reach_string_and_float_fields(tmp_path):
-    cfg = hg.plan(grid="g", runs_root=tmp_path, threads=1, lr=1, **TINY).runs[0].config
+    cfg = hg.plan_grid(grid="g", runs_root=tmp_path, threads=1, lr=1, **TINY).runs[0].config
     assert cfg.threads == "1" and cfg.lr == 1.0 and isinstance(cfg.lr, float)
 
 
@@ -55,17 +55,17 @@ def test_train_args_give_back_the_config(tmp_path):
 
 
 def test_folder_of_another_configuration_is_refused(tmp_path):
-    g = hg.plan(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
+    g = hg.plan_grid(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
     run = g.runs[0]
     run.run_dir.mkdir(parents=True)
     other = {**run.config.to_dict(), "epochs": 7}
     (run.run_dir / "config.json").write_text(json.dumps({"config": other}))
     with pytest.raises(hg.GridError, match="another configuration .*epochs 7 != 1"):
-        hg.plan(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
+        hg.plan_grid(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
 
 
 def test_command_resumes_an_interrupted_run_and_overwrites_a_broken_one(tmp_path):
-    run = hg.plan(grid="g", runs_root=tmp_path, scheme="sync", **TINY).runs[0]
+    run = hg.plan_grid(grid="g", runs_root=tmp_path, scheme="sync", **TINY).runs[0]
     assert "--overwrite" not in hg.command(run, 2) and "--resume" not in hg.command(run, 2)
     run.run_dir.mkdir(parents=True)
     (run.run_dir / "config.json").write_text(json.dumps({"config": run.config.to_dict()}))
@@ -104,11 +104,11 @@ def test_grid_records_a_failure_carries_on_and_skips_completed_runs(tmp_path, mo
     # The synthetic run is made to look completed (the notebook test trains real ones): it must be skipped.
     params = dict(grid="g", runs_root=tmp_path, nproc=1, scheme="sync", hetero="", run_timeout_s=240,
                   **{**TINY, "data": ["imagefolder", "synthetic"]}, data_dir=str(tmp_path / "missing"))
-    done = hg.plan(**params).runs[1]
+    done = hg.plan_grid(**params).runs[1]
     done.run_dir.mkdir(parents=True)
     (done.run_dir / "config.json").write_text(json.dumps({"config": done.config.to_dict()}))
     (done.run_dir / "summary.json").write_text(json.dumps({"status": "completed"}))
-    table = hg.run_grid(hg.plan(**params), progress=False)
+    table = hg.run_grid(hg.plan_grid(**params), progress=False)
     assert list(table["status"]) == ["failed", "completed"] and list(table["launched"]) == [True, False]
     assert "image folder" in table.loc[0, "error"] and str(tmp_path / "missing") in table.loc[0, "error"]
     assert table.loc[0, "returncode"] != 0 and "hetero: error:" in (tmp_path / "g" / "logs" /
@@ -118,7 +118,7 @@ def test_grid_records_a_failure_carries_on_and_skips_completed_runs(tmp_path, mo
 
     launched = []
     monkeypatch.setattr(hg, "launch", lambda cmd, log, timeout_s: launched.append(cmd) or None)
-    again = hg.run_grid(hg.plan(**params), progress=False)
+    again = hg.run_grid(hg.plan_grid(**params), progress=False)
     assert len(launched) == 1 and "imagefolder" in launched[0] and "--nproc-per-node=1" in launched[0]
     assert list(again["status"]) == ["timeout", "completed"] and list(again["launched"]) == [True, False]
     assert "timed out after 240 s" in again.loc[0, "error"]

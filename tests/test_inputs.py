@@ -246,7 +246,7 @@ TINY_GRID = dict(model="tiny", data="synthetic", subset=256, test_subset=128, gl
 def test_grid_refuses_unknown_keys_and_types_by_name(tmp_path):
     bad = dict(TINY_GRID, epochz=3, epochs=2.5, augment="maybe", global_batch="128", lr=[0.1, True])
     with pytest.raises(hg.GridError) as e:
-        hg.plan(grid="g", runs_root=tmp_path, **bad)
+        hg.plan_grid(grid="g", runs_root=tmp_path, **bad)
     lines = str(e.value).splitlines()
     assert lines[0] == ("unknown parameter 'epochz' (did you mean 'epochs'?): not a Config field nor one of grid, "
                         "nproc, runs_root, run_timeout_s")
@@ -255,16 +255,16 @@ def test_grid_refuses_unknown_keys_and_types_by_name(tmp_path):
                                  "global_batch must be a whole number (got '128', str)",
                                  "lr must be a number (got True, bool)"]
     with pytest.raises(hg.GridError, match="nproc must be a positive whole number"):
-        hg.plan(grid="g", runs_root=tmp_path, nproc=1.5, **TINY_GRID)
+        hg.plan_grid(grid="g", runs_root=tmp_path, nproc=1.5, **TINY_GRID)
     assert not (tmp_path / "g").exists()
 
 
-def test_plan_from_refuses_a_near_miss_of_a_parameter(tmp_path):
+def test_plan_grid_from_refuses_a_near_miss_of_a_parameter(tmp_path):
     ns = dict(TINY_GRID, grid="g", runs_root=str(tmp_path), epochz=3, hg=hg, table=None, In=["x"], Out={})
     with pytest.raises(hg.GridError, match="unknown parameter 'epochz' \\(did you mean 'epochs'\\?\\)"):
-        hg.plan_from(ns)
+        hg.plan_grid_from(ns)
     del ns["epochz"]
-    assert len(hg.plan_from(ns).runs) == 1  # the notebook's other variables are left alone
+    assert len(hg.plan_grid_from(ns).runs) == 1  # the notebook's other variables are left alone
 
 
 def _grid_check(args: list[str]) -> subprocess.CompletedProcess:
@@ -306,7 +306,7 @@ def test_grid_notebook_defaults_are_configs_and_demo_keeps_its_values():
     cell = _parameters_cell()
     defaults = {f.name: f.default for f in fields(Config)}
     assert {k: v for k, v in cell.items() if k in defaults} == {k: defaults[k] for k in cell if k in defaults}
-    assert cell["nproc"] == 2 and cell["run_timeout_s"] == 3600.0  # plan()'s defaults
+    assert cell["nproc"] == 2 and cell["run_timeout_s"] == 3600.0  # plan_grid()'s defaults
     assert {"subset", "test_subset", "epochs", "data", "model"} <= set(cell)
     demo = yaml.safe_load((ROOT / "notebooks/params/demo.yaml").read_text())
     # the demo's values, formerly the notebook's, now all in demo.yaml: `make demo` runs what it ran
@@ -378,6 +378,6 @@ def test_make_experiment_stops_at_check_without_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a GPU")
 def test_grid_says_a_host_problem_once(tmp_path):
     with pytest.raises(hg.GridError) as e:
-        hg.plan(grid="g", runs_root=tmp_path, **dict(TINY_GRID, device="cuda", scheme=["sync", "dp", "edp"]))
+        hg.plan_grid(grid="g", runs_root=tmp_path, **dict(TINY_GRID, device="cuda", scheme=["sync", "dp", "edp"]))
     assert str(e.value) == ("tiny-sync-none-s0: --device 'cuda': rank 0 wants a GPU but torch sees none on this host "
                             "(use --device cpu or auto)")

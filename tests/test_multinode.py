@@ -8,16 +8,11 @@ import sys
 import numpy as np
 
 from conftest import ROOT, TINY, _env, read_run, replay_decisions
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hetero.launch import free_port
 
 
 def test_two_torchrun_nodes_on_one_machine(tmp_path):
-    run, port = tmp_path / "run", _free_port()
+    run, port = tmp_path / "run", free_port()
     args = [*TINY, "--epochs", "3", "--scheme", "dp", "--hetero", "1:slowdown=8", "--threads", "1",
             "--run-dir", str(run)]
     procs = [subprocess.Popen(

@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from hetero import analysis
+from hetero.launch import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 FIGURES = ["curves_epoch", "curves_time", "shares", "step_times", "time_breakdown"]
 
@@ -125,6 +125,7 @@ def test_grid_notebook_runs_the_grid_and_shows_figures(executed):
     nb = nbformat.read(executed / "grid.ipynb", as_version=4)
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert len(images) == len(FIGURES)
+    assert all(o["metadata"]["image/png"]["alt"] for o in images)  # shown once each, by plots.show
 
 
 def test_report_files_and_table_match_the_run_folders(executed):

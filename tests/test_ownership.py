@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pandas as pd
 import psutil
@@ -142,7 +143,7 @@ def _workers(marker):
 
 
 def test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them(tmp_path):
-    run, marker = tmp_path / "run", "orphan-test"
+    run, marker = tmp_path / "run", f"orphan-test-{uuid.uuid4().hex}"  # unique: other suites may run at once
     args = [*TINY, "--epochs", "4", "--hetero", "1:delay=0.2", "--run-dir", str(run)]
     # setsid: the launcher leads its own group; torchrun puts the workers in sessions of their own
     proc = subprocess.Popen(torchrun_cmd(2, args), cwd=ROOT, env={**_env(), MARKER: marker},
@@ -192,7 +193,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
 
     import hetero.grid as hg
 
-    g = hg.plan(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=60, **{**GRID, "epochs": 1000})
+    g = hg.plan_grid(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=60, **{**GRID, "epochs": 1000})
     seen, stopped = set(), []
 
     def stop_rank_1():  # the run's processes carry its folder on their command line
@@ -223,7 +224,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
 def test_two_identical_grids_at_once_train_each_run_once(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    code = (f"from hetero.grid import plan, run_grid; run_grid(plan(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
+    code = (f"from hetero.grid import plan_grid, run_grid; run_grid(plan_grid(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
             f"seed=[0, 1], epochs=2, **{GRID!r}), progress=False)")
     env = {**_env(), "TMPDIR": str(tmp)}
     grids = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,

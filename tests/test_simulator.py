@@ -1,16 +1,15 @@
 """The simulator: its mechanics, the claims of the README (affine within 2% of the optimum after its first rebalance,
 the paper's rule needing epochs), the paper's own numbers, changing speeds, stability, 4096 workers, notebook."""
-from pathlib import Path
 
 import nbformat
 import numpy as np
 import pytest
 
+from hetero.launch import ROOT
 from hetero.partition import affine_batch_sizes, batch_sizes
 from hetero.simbench import benchmark
 from hetero.simulator import Scenario, compare, simulate, stability, sweep
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sync_step_is_the_slowest_rank_and_idle_time_is_the_rest():

@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-_API = {"Balance", "BalancedBatchSampler", "Decision", "balance_hook"}
+_API = {"Balance", "BalancedBatchSampler", "Decision", "StepRecord", "balance_hook"}
 
 
 def __getattr__(name: str):

@@ -12,7 +12,9 @@
 One object, the Balance, owns a step's gradient weight, clock and emulated delay; it is the state of the DDP
 communication hook. Decisions (every `rebalance_every` steps and at each epoch's end) take effect at a step that
 no rank's batch sampler has handed out yet, so DataLoader workers running ahead never see two partitions of one
-step (README, "Use it in your own loop").
+step (README, "Use it in your own loop"). The built-in trainer (trainer.py) is one user: it cuts its own batches
+on the device and calls `sizes = bal.begin_step(step)` ... `bal.end_step()` with lag 0, and reads the step records
+(`bal.epoch_records()`) for its run folder.
 """
 from __future__ import annotations
 
@@ -32,9 +34,20 @@ from .dist import StepClock, env_world, gather_rows
 from .emulator import Emulator
 from .memory import probe_max_batch
 from .partition import SCHEMES, batch_sizes, check_feasible
-from .sampler import EpochPlan
+from .sampler import BalancedBatchSampler
 
 FAR = -(1 << 62)  # the start of the first regime: before any step
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step on this rank: every rank's batch sizes and this rank's own times (s)."""
+    epoch: int
+    step: int
+    sizes: np.ndarray    # [world] batch sizes of the step (sum = global batch)
+    compute_s: float     # own work: start to gradients ready, plus backward's return to the step's end
+    wait_s: float        # the last all-reduce, including waiting for slower ranks
+    delay_s: float       # the emulated extra time spent in this step (part of compute_s)
 
 
 @dataclass(frozen=True)
@@ -53,27 +66,33 @@ class Balance:
 
     def __init__(self, *, global_batch: int, scheme: str = "edp", rebalance_every: int = 0, smoothing: float = 0.0,
                  deadband: float = 0.0, min_batch: int = 1, max_batch: int | str | Sequence | None = None,
-                 hetero: str = "", seed: int = 0, lag: int | None = None):
+                 hetero: str = "", seed: int = 0, lag: int | None = None, sit_out: bool = False,
+                 replay: dict[int, np.ndarray] | None = None):
         """scheme: sync, dp, edp or affine. max_batch: an int, "probe", or one entry (int, "probe", None) per rank.
         hetero: the emulation grammar (emulator.py), e.g. "1:slowdown=3". lag: None takes the first step no rank's
-        sampler has handed out; an int fixes it (decision after step s -> effective at s + 1 + lag)."""
+        sampler has handed out; an int fixes it (decision after step s -> effective at s + 1 + lag).
+        sit_out (affine): a rank may get batch 0; its loop must still run forward and backward (its gradient
+        weight is 0), as the built-in trainer does. replay: recorded sizes {epoch: [steps, world]} to train with
+        instead of deciding (no decisions are made)."""
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
         if min_batch < 1:
-            raise ValueError("min_batch must be at least 1 (a rank sitting a step out is only in the built-in trainer)")
+            raise ValueError("min_batch must be at least 1 (sit_out lets affine give a rank 0)")
         if rebalance_every < 0 or (lag is not None and lag < 0):
             raise ValueError("rebalance_every and lag must be >= 0")
-        self.rank, self.world, _ = env_world()  # before init_process_group too (Lightning builds callbacks first)
+        self.rank, self.size, _ = env_world()  # before init_process_group too (Lightning builds callbacks first)
         self.scheme, self.global_batch = SCHEMES[scheme], global_batch
         self.rebalance_every, self.lag = rebalance_every, lag
-        per_rank = list(max_batch) if isinstance(max_batch, (list, tuple)) else [max_batch] * self.world
-        if len(per_rank) != self.world:
-            raise ValueError(f"max_batch has {len(per_rank)} entries for {self.world} ranks")
+        per_rank = list(max_batch) if isinstance(max_batch, (list, tuple)) else [max_batch] * self.size
+        if len(per_rank) != self.size:
+            raise ValueError(f"max_batch has {len(per_rank)} entries for {self.size} ranks")
         self.probes = [v == "probe" for v in per_rank]
-        limits = [float("inf") if v in (None, 0, "probe") else int(v) for v in per_rank]
-        check_feasible(self.world, global_batch, min_batch, limits)
-        self.balancer = Balancer(self.scheme.rule, self.world, global_batch, min_batch,
-                                 None if all(v == float("inf") for v in limits) else limits, smoothing, deadband)
+        limits = [float("inf") if v in (None, 0, "probe", float("inf")) else int(v) for v in per_rank]
+        check_feasible(self.size, global_batch, min_batch, limits)
+        self.balancer = Balancer(self.scheme.rule, self.size, global_batch, min_batch,
+                                 None if all(v == float("inf") for v in limits) else limits, smoothing, deadband,
+                                 sit_out=sit_out)
+        self.replay = replay
         self.emulator = Emulator(hetero, self.rank, seed)
         self.seed, self.epoch, self.global_step = seed, 0, 0
         self.steps_per_epoch = 0
@@ -81,9 +100,11 @@ class Balance:
         self._regimes: list[tuple[int, Balancer]] = [(FAR, copy.deepcopy(self.balancer))]
         self._planned: dict[int, np.ndarray] = {}  # position -> every rank's sizes, fixed when handed out
         self._handed = FAR   # next position this rank's sampler hands out
-        self._window: list[tuple[np.ndarray, StepClock]] = []  # (sizes, clock) of the steps since the last decision
+        self.records: list[StepRecord] = []  # this epoch's finished steps (clocks read at decisions and on demand)
+        self._unread: list[tuple[int, np.ndarray, StepClock, float]] = []  # (step, sizes, clock, delay) not yet read
+        self._decided_upto = 0  # records before this index were part of an earlier decision
         self._device, self._coll = torch.device("cpu"), torch.device("cpu")
-        self._pos, self._step, self._clock, self._weight = 0, 0, None, 1.0 / self.world
+        self._pos, self._step, self._clock, self._weight, self._delay = 0, 0, None, 1.0 / self.size, 0.0
         self._sizes = self.balancer.sizes
         self._started: int | None = None  # the epoch set_epoch last started
         self._attached = self._probed = False
@@ -102,9 +123,9 @@ class Balance:
         coll = device if dist.get_backend() == "nccl" else torch.device("cpu")
         probed = gather_rows(torch.tensor([own]), coll).flatten().tolist()
         b = self.balancer
-        old = b.max_batch if b.max_batch is not None else [float("inf")] * self.world
+        old = b.max_batch if b.max_batch is not None else [float("inf")] * self.size
         limits = [p if pr else o for p, pr, o in zip(probed, self.probes, old)]
-        check_feasible(self.world, self.global_batch, b.min_batch, limits)
+        check_feasible(self.size, self.global_batch, b.min_batch, limits)
         b.max_batch, b._probe_sizes = limits, None
         b.sizes = batch_sizes(b.shares, self.global_batch, b.min_batch, limits)
         self._regimes, self._probed = [(FAR, copy.deepcopy(b))], True
@@ -124,27 +145,35 @@ class Balance:
         if module.training and torch.is_grad_enabled():
             self._forwards += 1
 
-    def batch_sampler(self, n_samples: int, seed: int | None = None) -> "BalancedBatchSampler":
+    def batch_sampler(self, n_samples: int, seed: int | None = None) -> BalancedBatchSampler:
         """Per-step index lists for this rank: its slice of each step's window of one shared permutation."""
         if self.global_batch > n_samples:
             raise ValueError(f"global batch {self.global_batch} exceeds the {n_samples} samples")
-        self.steps_per_epoch = n_samples // self.global_batch
+        self.set_samples(n_samples)
         return BalancedBatchSampler(self, n_samples, self.seed if seed is None else seed)
+
+    def set_samples(self, n_samples: int) -> int:
+        """The epoch's length for a loop that cuts its own batches (with sampler.EpochPlan); returns its steps."""
+        self.steps_per_epoch = n_samples // self.global_batch
+        return self.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Call before iterating the loader each epoch (the sampler's permutation and the emulator follow it)."""
         if epoch != self._started:  # idempotent: the user and Lightning may both call it
             self.epoch = self._started = epoch
             self.emulator.start_epoch(epoch)
-            self._step = 0
+            self._step, self.records, self._unread, self._decided_upto = 0, [], [], 0
 
     # -- the schedule: batch sizes per position, fixed when a sampler hands the position out ----------------------
     def sizes_at(self, epoch: int, step: int) -> np.ndarray:
         """Every rank's batch size at this step (sum = global batch); the same on every rank, once handed out."""
         pos = epoch * self.steps_per_epoch + step
         if pos not in self._planned:
-            start, regime = next(r for r in reversed(self._regimes) if r[0] <= pos)
-            self._planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
+            if self.replay is not None:
+                self._planned[pos] = np.asarray(self.replay[epoch][step], np.int64)
+            else:  # the regime in force at pos; affine's first epoch probes two sizes (Balancer.sizes_for_step)
+                start, regime = next(r for r in reversed(self._regimes) if r[0] <= pos)
+                self._planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
             self._handed = max(self._handed, pos + 1)
         return self._planned[pos]
 
@@ -154,19 +183,26 @@ class Balance:
         return self._sizes.tolist()
 
     # -- one step ----------------------------------------------------------------------------------------------
-    def begin_step(self, step: int | None = None) -> None:
-        """Start a step: this rank's gradient weight and a fresh clock (the clock marks `start` now)."""
+    def begin_step(self, step: int | None = None) -> np.ndarray:
+        """Start a step: this rank's gradient weight and a fresh clock (the clock marks `start` now); returns every
+        rank's batch sizes for the step."""
         if not self.steps_per_epoch:
             raise RuntimeError("hetero: call bal.batch_sampler(len(dataset)) before the first step")
         self._step = self._step if step is None else step
         self._pos = self.epoch * self.steps_per_epoch + self._step
         self._sizes = self.sizes_at(self.epoch, self._step)
         b = int(self._sizes[self.rank])
-        self._weight = b / self.global_batch if self.scheme.weighted else 1.0 / self.world
+        self._weight = b / self.global_batch if self.scheme.weighted else 1.0 / self.size
         self._syncs = self._forwards = 0
-        self._in_flight, self._all_issued = 0, False
+        self._in_flight, self._all_issued, self._delay = 0, False, 0.0
         self._clock = StepClock(self._device)
         self._clock.mark("start")
+        return self._sizes
+
+    def mark_backward(self) -> None:
+        """Optional, right after loss.backward(): backward's return ends the all-reduce wait (by default the last
+        all-reduce's completion does). The built-in trainer calls it."""
+        self._clock.mark("returned")
 
     def end_step(self) -> Decision | None:
         """End a step (after the optimizer step); every K steps and at the epoch's end, decide (collective)."""
@@ -176,14 +212,22 @@ class Balance:
             raise RuntimeError(f"hetero: a step ran {self._forwards} forward(s) and {self._syncs} gradient "
                                "all-reduce(s); it needs one of each: gradient accumulation (no_sync) is not "
                                "supported, raise global_batch instead (max_batch bounds each rank's batch)")
-        self._window.append((self._sizes, clock))
+        self._unread.append((self._step, self._sizes, clock, self._delay))
         self._planned = {p: s for p, s in self._planned.items() if p > self._pos}
         step, self._step, self.global_step = self._step, self._step + 1, self.global_step + 1
         last = step == self.steps_per_epoch - 1
         due = last or (self.rebalance_every and (step + 1) % self.rebalance_every == 0)
-        if self.scheme.rule == "static" or not due:
+        if self.scheme.rule == "static" or self.replay is not None or not due:
             return None
         return self._decide(step)
+
+    def epoch_records(self) -> list[StepRecord]:
+        """This epoch's finished steps so far, in order (reads the clocks: on CUDA, waits for their events)."""
+        for step, sizes, clock, delay in self._unread:
+            compute, wait = clock.read()
+            self.records.append(StepRecord(self.epoch, step, sizes, compute, wait, delay))
+        self._unread.clear()
+        return self.records
 
     @contextmanager
     def step(self, batch_size: int | None = None) -> Iterator[None]:
@@ -197,11 +241,12 @@ class Balance:
 
     def _decide(self, step: int) -> Decision:
         """The one decision path: gather every rank's compute times and sampler position, run the pure balancer."""
-        sizes = np.stack([s for s, _ in self._window])
-        own = [c.read()[0] for _, c in self._window]
+        window = self.epoch_records()[self._decided_upto:]
+        sizes = np.stack([r.sizes for r in window])
+        own = [r.compute_s for r in window]
         rows = gather_rows(torch.tensor([*own, float(self._handed)], dtype=torch.float64), self._coll).numpy()
+        self._decided_upto = len(self.records)
         compute, ahead = rows[:, :-1].T, int(rows[:, -1].max())  # [steps, world], furthest sampler
-        self._window.clear()
         effective = self._pos + 1 + (self.lag or 0)
         if self.lag is None:
             effective = max(effective, ahead)
@@ -223,15 +268,8 @@ class Balance:
         if self._clock is None:
             raise RuntimeError("hetero: a backward ran outside `with bal.step()` (or begin_step/end_step)")
         self._syncs += 1
-        if self.emulator.effects:
-            own = self._clock.host_elapsed_s() if self.emulator.needs_compute_time else 0.0
-            delay = self.emulator.delay_s(self.epoch, self.global_step, own)
-            if delay > 0:
-                if self._device.type == "cuda":  # let queued compute finish first, so the sleep adds to it
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    ev.synchronize()
-                time.sleep(delay)
+        if self.emulator.effects and self._sizes[self.rank] > 0:  # a rank sitting out has nothing to slow down
+            self._delay = spend_delay(self.emulator, self.epoch, self.global_step, self._clock)
         self._clock.mark("ready")
 
     # -- checkpoints -------------------------------------------------------------------------------------------
@@ -243,7 +281,25 @@ class Balance:
         self.balancer.load_state_dict(state["balancer"])
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self._regimes, self._planned, self._handed = [(FAR, copy.deepcopy(self.balancer))], {}, FAR
+        self.records, self._unread, self._decided_upto = [], [], 0
         self._started = None
+
+
+def spend_delay(emulator: Emulator, epoch: int, global_step: int, clock: StepClock) -> float:
+    """An emulated slow rank's extra time (s), spent when its gradients are ready; returns it.
+
+    On CUDA the host runs ahead of the GPU: a sleep while this rank's kernels are still queued would overlap them
+    and be lost. So the host first waits for the compute stream (clock.wait_device: an event, not a device-wide
+    synchronise, which would also wait for NCCL), once per delayed step; the `ready` mark, recorded after the
+    sleep, then counts the delay as compute on CUDA as on the CPU."""
+    waited = emulator.needs_compute_time
+    own = clock.host_elapsed_s() if waited else 0.0  # slowdown: waits for the device to measure its own time
+    delay = emulator.delay_s(epoch, global_step, own)
+    if delay > 0:
+        if not waited:
+            clock.wait_device()
+        time.sleep(delay)
+    return delay
 
 
 def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -270,24 +326,3 @@ def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Futur
 
 # DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings
 balance_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
-
-
-class BalancedBatchSampler(torch.utils.data.Sampler):
-    """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan)."""
-
-    def __init__(self, balance: Balance, n_samples: int, seed: int):
-        self.balance, self.n_samples, self.seed = balance, n_samples, seed
-
-    def __len__(self) -> int:
-        return self.balance.steps_per_epoch
-
-    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
-        self.balance.set_epoch(epoch)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        bal, epoch = self.balance, self.balance.epoch
-        if epoch * bal.steps_per_epoch < bal._handed:
-            raise RuntimeError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
-        plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
-        for step in range(plan.steps):
-            yield plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()

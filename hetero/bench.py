@@ -179,6 +179,8 @@ def checks(res: dict) -> list[dict]:
                     "pass": abs(worst - 1) <= 0.10})
     if ov := res.get("overhead"):
         out.append({"target": "trainer step <= 1.03 x plain DDP step", "value": ov["ratio"], "pass": ov["ratio"] <= 1.03})
+        out.append({"target": "api step <= 1.01 x plain DDP step (same DataLoader)", "value": ov["api_ratio"],
+                    "pass": ov["api_ratio"] <= 1.01})
     for r in res.get("balancer", []):
         if r["workers"] == 4096:
             out.append({"target": f"one {r['rule']} decision for 4096 workers < 10 ms", "value": r["decision_ms"],
@@ -207,7 +209,12 @@ def table(res: dict) -> str:
                   f"trainer {1e3 * ov['trainer_step_s']:.2f} ms/step, plain DDP {1e3 * ov['plain_step_s']:.2f} "
                   f"ms/step: ratio {ov['ratio']:.3f} (median of {len(ov['pair_ratios'])} back-to-back epoch pairs; "
                   f"of medians {ov['ratio_of_medians']:.3f}, of minima {ov['ratio_of_minima']:.3f}), "
-                  f"{ov['extra_ms_per_step']:+.2f} ms per step", ""]
+                  f"{ov['extra_ms_per_step']:+.2f} ms per step", "",
+                  f"API (hetero.Balance, edp, rebalancing every {ov['api_rebalance_every']} steps) "
+                  f"{1e3 * ov['api_step_s']:.2f} ms/step, plain DDP through the same DataLoader "
+                  f"{1e3 * ov['ddp_loader_step_s']:.2f} ms/step: ratio {ov['api_ratio']:.3f} (median of "
+                  f"{len(ov['api_pair_ratios'])} pairs; of medians {ov['api_ratio_of_medians']:.3f}), "
+                  f"{ov['api_extra_ms_per_step']:+.2f} ms per step", ""]
     if res.get("balancer"):
         rules = ("proportional", "affine")
         lines += ["## One rebalancing decision (median ms)", ""] + markdown_table(

@@ -161,7 +161,7 @@ class Config:
             if n not in (0, 1, world):
                 raise ConfigError(f"--{_flag(name)} {getattr(self, name)!r} lists {n} ranks; give one value or "
                                   f"{world} (the world size)")
-        devices = [self.for_rank("device", r, world) for r in range(world)]
+        devices = [r.device for r in self.rank_settings(world)]
         if self.backend == "nccl" and not all(d.startswith("cuda") or d == "auto" for d in devices):  # auto: setup
             raise ConfigError(f"--backend nccl needs every rank on a GPU (devices {','.join(devices)}); mixed "
                               f"CPU/GPU jobs use gloo (--backend auto picks it)")
@@ -176,8 +176,9 @@ class Config:
         import torch
 
         allowed = sorted(os.sched_getaffinity(0))
+        settings = self.rank_settings(world)
         for r in ranks:
-            device = self.for_rank("device", r, world)
+            device = settings[r].device
             if device.startswith("cuda"):
                 n = torch.cuda.device_count() if torch.cuda.is_available() else 0
                 index = int(device.split(":")[1]) if ":" in device else 0
@@ -187,36 +188,55 @@ class Config:
                 if index >= n:
                     raise ConfigError(f"--device {self.device!r}: rank {r} wants {device} but this host has {n} "
                                       f"GPU(s)")
-            own = self.for_rank("affinity", r, world) if self.affinity else ""
-            if own and (missing := sorted(parse_cores(own) - set(allowed))):
+            own = settings[r].cores
+            if own and (missing := sorted(own - set(allowed))):
                 raise ConfigError(f"--affinity {self.affinity!r}: rank {r} asks for core(s) "
                                   f"{_cores_text(missing)} that this job may not use (it has cores "
                                   f"{_cores_text(allowed)})")
-            threads = int(self.for_rank("threads", r, world))
+            threads = settings[r].threads
             if threads > (cores := os.cpu_count() or 1):
                 raise ConfigError(f"--threads {self.threads!r}: rank {r} asks for {threads} threads, more than the "
                                   f"{cores} cores of this host")
 
-    def for_rank(self, name: str, rank: int, world: int) -> str:
-        """This global rank's value of a per-rank field (one value for all, or one per rank)."""
+    def _for_rank(self, name: str, rank: int, world: int) -> str:
+        """This global rank's text of a per-rank field (one value for all, or one per rank)."""
         values = getattr(self, name).split(",")
         return values[rank if len(values) == world else 0].strip()
+
+    def rank_settings(self, world: int) -> list[RankSettings]:
+        """Every global rank's device, threads, maximum batch and cores, parsed from the per-rank fields."""
+        out = []
+        for r in range(world):
+            text = {name: self._for_rank(name, r, world) for name in ("device", "threads", "max_batch", "affinity")}
+            probe = text["max_batch"] == "probe"
+            out.append(RankSettings(text["device"], int(text["threads"]),
+                                    float("inf") if probe else int(text["max_batch"]) or float("inf"), probe,
+                                    frozenset(parse_cores(text["affinity"])) if self.affinity else None))
+        return out
 
     def max_batches(self, world: int, probed: list[float] | None = None) -> list[float] | None:
         """Per-rank maximum batch sizes for the partitioner (None: no limit anywhere). A rank set to `probe` has
         no limit until probed: `probed` holds every rank's probe result (memory.probe_max_batch)."""
-        m = []
-        for r in range(world):
-            v = self.for_rank("max_batch", r, world)
-            m.append((probed[r] if probed is not None else float("inf")) if v == "probe" else int(v) or float("inf"))
+        m = [(probed[r] if probed is not None else s.max_batch) if s.probe else s.max_batch
+             for r, s in enumerate(self.rank_settings(world))]
         return None if all(v == float("inf") for v in m) else m
 
     def probes(self, rank: int, world: int) -> bool:
-        """Whether this rank's maximum batch is to be probed."""
-        return self.for_rank("max_batch", rank, world) == "probe"
+        """Whether this rank's largest batch is to be probed."""
+        return self.rank_settings(world)[rank].probe
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """One global rank's typed settings (Config.rank_settings): parsed once from the per-rank fields."""
+    device: str                   # cpu, cuda, cuda:K or auto
+    threads: int                  # torch threads; 0: the default budget (dist.apply_cpu_budget)
+    max_batch: float              # largest batch; inf: no limit (also while a probe is pending)
+    probe: bool                   # the largest batch is probed on the rank's GPU
+    cores: frozenset[int] | None  # cores to pin the rank to; None: not pinned
 
 
 def parse_cores(text: str) -> set[int]:

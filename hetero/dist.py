@@ -1,5 +1,5 @@
-"""Distributed plumbing: process group from torchrun's environment, devices, the gradient-weighting DDP
-communication hook with its timing mark, and small gather helpers. The training loop lives in train.py."""
+"""Distributed plumbing: process group from torchrun's environment, devices, the step clock and small gather
+helpers. The gradient-weighting DDP communication hook is api.balance_hook; the training loop is trainer.py."""
 import inspect
 import json
 import os
@@ -19,7 +19,7 @@ from .config import ConfigError
 @dataclass(frozen=True)
 class World:
     rank: int          # global rank: decides roles (who is delayed, who writes, whose weight)
-    world: int
+    size: int          # the world size: how many ranks
     local_rank: int    # only picks a device
     device: torch.device
     backend: str
@@ -243,31 +243,6 @@ class StepClock:
             span = lambda a, b: m[b] - m[a]
         wait = span("ready", "returned")
         return span("start", "ready") + span("returned", "end"), wait
-
-
-@dataclass
-class HookState:
-    """Mutable state of the communication hook: this rank's gradient weight and the step's clock."""
-    weight: float
-    clock: StepClock | None = None
-    on_ready: Callable[[], None] | None = None  # called once per step when local gradients are complete
-
-
-def weighted_allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Sum over ranks of weight_i * g_i: weight 1/world gives DDP's mean; b_i/B gives the global-batch gradient.
-
-    Buckets are reduced in order, so when the last one is handed over every local gradient is computed: that
-    instant ends the rank's compute (before any waiting), and is where an emulated slow rank spends its delay.
-    """
-    if bucket.is_last():
-        if state.on_ready is not None:  # an emulated slow rank spends its extra time here, as compute
-            state.on_ready()
-        if state.clock is not None:
-            state.clock.mark("ready")
-    buf = bucket.buffer()
-    buf.mul_(state.weight)
-    fut = dist.all_reduce(buf, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
 
 
 def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""The trainer's overhead over a plain DDP loop (part of `make bench`): no heterogeneity, 2 ranks, the same model,
-data tensor, batch, optimiser and DDP options, measured side by side in the same processes (README: benchmarks).
+"""Overheads over plain DDP (part of `make bench`): no heterogeneity, 2 ranks, the same model, batch, optimiser and
+DDP options, measured side by side in the same processes (README: benchmarks). Two pairs: the built-in trainer
+against a plain loop over the same data tensor, and the public API (hetero.Balance, edp, rebalancing every
+REBALANCE_EVERY steps) against plain DDP through the same DataLoader (a DistributedSampler there).
 
     torchrun --standalone --nproc-per-node=2 -m hetero.overhead --out FILE --subset N --global-batch B --epochs E
 """
@@ -17,19 +19,28 @@ from .config import CliParser
 from .launch import clean_env, torchrun_cmd
 from .measure import launch
 
+REBALANCE_EVERY = 10  # the API loop's decision interval: its overhead includes the decisions' gathers
+KINDS = ("trainer", "plain", "api", "ddp_loader")
+
 
 def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0) -> None:
-    """Run by torchrun: the trainer's epoch loop and a plain DDP loop over the same model, data and options, taking
-    turns epoch by epoch in the same processes; rank 0 writes their epoch times (s) to `out` as JSON."""
+    """Run by torchrun: the trainer's epoch loop and a plain DDP loop over the same model, data and options, then the
+    API's loop and plain DDP over the same DataLoader, taking turns epoch by epoch in the same processes; rank 0
+    writes their epoch times (s) to `out` as JSON."""
+    from contextlib import nullcontext
+
     import torch
     import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
     from tqdm import tqdm
+
+    from .api import Balance
 
     from .config import Config
     from .data import load_data
     from .dist import setup, teardown, wrap_ddp
     from .models import build_model
-    from .train import Trainer
+    from .trainer import Trainer
 
     torch.set_num_threads(1)
     cfg = Config(model="tiny", data="synthetic", subset=subset, global_batch=global_batch, epochs=epochs,
@@ -45,7 +56,7 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
         model = wrap_ddp(build_model(cfg.model, len(data.classes)), torch.device("cpu"))
         opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
                               weight_decay=cfg.weight_decay)
-        b, steps = global_batch // world.world, len(data.train_y) // global_batch
+        b, steps = global_batch // world.size, len(data.train_y) // global_batch
 
         def plain_epoch(epoch: int) -> float:
             perm = torch.randperm(len(data.train_y), generator=torch.Generator().manual_seed(seed + epoch))
@@ -58,19 +69,49 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
                 opt.zero_grad(set_to_none=True)
             return time.perf_counter() - t0
 
+        # The API against plain DDP: the same normalised tensors through the same DataLoader settings.
+        ds = TensorDataset((data.train_x.float() - mean) / std, data.train_y)
+        loops = {}
+        for kind in ("api", "ddp_loader"):
+            torch.manual_seed(seed)
+            m = wrap_ddp(build_model(cfg.model, len(data.classes)), torch.device("cpu"))
+            o = torch.optim.SGD(m.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
+                                weight_decay=cfg.weight_decay)
+            if kind == "api":
+                bal = Balance(global_batch=global_batch, scheme="edp", rebalance_every=REBALANCE_EVERY, seed=seed)
+                bal.attach(m)
+                loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds), seed))
+            else:
+                sampler = DistributedSampler(ds, shuffle=True, seed=seed, drop_last=True)
+                loader = DataLoader(ds, batch_size=b, sampler=sampler, drop_last=True)
+            loops[kind] = (m, o, loader)
+
+        def loader_epoch(kind: str, epoch: int) -> float:
+            m, o, loader = loops[kind]
+            (bal if kind == "api" else loader.sampler).set_epoch(epoch)
+            t0 = time.perf_counter()
+            for x, y in loader:
+                with bal.step() if kind == "api" else nullcontext():
+                    F.cross_entropy(m(x), y).backward()
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0
+
         def trainer_epoch(epoch: int) -> float:
             bar = tqdm(total=steps, leave=False, file=sys.stderr) if world.is_main else None  # as Trainer.fit
             r = trainer.train_epoch(epoch, bar)
             if bar is not None:
                 bar.close()
-            return r["train_s"]
+            return r.train_s
 
-        epoch_s: dict[str, list[float]] = {"trainer": [], "plain": []}
+        run = {"trainer": trainer_epoch, "plain": plain_epoch, "api": lambda e: loader_epoch("api", e),
+               "ddp_loader": lambda e: loader_epoch("ddp_loader", e)}
+        epoch_s: dict[str, list[float]] = {k: [] for k in KINDS}
         for epoch in range(1, epochs + 1):
-            for kind in (("trainer", "plain") if epoch % 2 else ("plain", "trainer")):
-                epoch_s[kind].append(trainer_epoch(epoch) if kind == "trainer" else plain_epoch(epoch))
+            for kind in (KINDS if epoch % 2 else KINDS[::-1]):  # each pair back to back, in turn
+                epoch_s[kind].append(run[kind](epoch))
         if world.is_main:
-            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.world}))
+            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.size}))
         ok = True
     finally:
         teardown(ok)
@@ -78,8 +119,9 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
 
 def measure(out: Path, repeats: int, subset: int, global_batch: int, epochs: int, notes: list[str]) -> dict:
     """Trainer step time over the plain loop's, for 2 ranks: the median over the back-to-back epoch pairs after each
-    launch's first (slow changes of load cancel), with the medians, minima and pair ratios."""
-    world, ratios, step_s = 2, [], {"trainer": [], "plain": []}
+    launch's first (slow changes of load cancel), with the medians, minima and pair ratios; and the same for the
+    API's step over plain DDP's through the same DataLoader (api_*)."""
+    world, ratios, api_ratios, step_s = 2, [], [], {k: [] for k in KINDS}
     for r in range(repeats):
         name = f"overhead-{r}"
         print(f"bench: {name}", flush=True)
@@ -89,16 +131,20 @@ def measure(out: Path, repeats: int, subset: int, global_batch: int, epochs: int
                                     "--epochs", str(epochs)], "hetero.overhead"),
                out / "logs" / f"{name}.log", 900, clean_env(threads="1"), done=res, notes=notes)
         d = json.loads(res.read_text())
-        tr, pl = (np.array(d["epoch_s"][k][1:]) / d["steps"] for k in ("trainer", "plain"))
-        ratios += (tr / pl).tolist()
-        step_s["trainer"] += tr.tolist()
-        step_s["plain"] += pl.tolist()
+        per = {k: np.array(d["epoch_s"][k][1:]) / d["steps"] for k in KINDS}
+        ratios += (per["trainer"] / per["plain"]).tolist()
+        api_ratios += (per["api"] / per["ddp_loader"]).tolist()
+        for k in KINDS:
+            step_s[k] += per[k].tolist()
     med = {k: float(np.median(v)) for k, v in step_s.items()}
     return {"world": world, "global_batch": global_batch, "ratio": float(np.median(ratios)),
             "ratio_of_medians": med["trainer"] / med["plain"],
             "ratio_of_minima": min(step_s["trainer"]) / min(step_s["plain"]), "trainer_step_s": med["trainer"],
             "plain_step_s": med["plain"], "extra_ms_per_step": 1e3 * (med["trainer"] - med["plain"]),
-            "pair_ratios": ratios, "step_s": step_s}
+            "pair_ratios": ratios, "step_s": step_s, "api_ratio": float(np.median(api_ratios)),
+            "api_ratio_of_medians": med["api"] / med["ddp_loader"], "api_step_s": med["api"],
+            "ddp_loader_step_s": med["ddp_loader"], "api_extra_ms_per_step": 1e3 * (med["api"] - med["ddp_loader"]),
+            "api_pair_ratios": api_ratios, "api_rebalance_every": REBALANCE_EVERY}
 
 
 def main(argv: list[str] | None = None) -> int:

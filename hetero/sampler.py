@@ -8,9 +8,14 @@ not-yet-seen part of the permutation is simply cut differently: nothing is repea
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator
+
 import torch
 
 from .seeding import PERMUTATION, epoch_seed
+
+if TYPE_CHECKING:
+    from .api import Balance
 
 
 class EpochPlan:
@@ -35,3 +40,24 @@ class EpochPlan:
             raise ValueError(f"batch sizes {sizes} do not sum to the global batch {self.global_batch}")
         start = step * self.global_batch + sum(sizes[:rank])
         return self.perm[start:start + sizes[rank]]
+
+
+class BalancedBatchSampler(torch.utils.data.Sampler):
+    """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan)."""
+
+    def __init__(self, balance: "Balance", n_samples: int, seed: int):
+        self.balance, self.n_samples, self.seed = balance, n_samples, seed
+
+    def __len__(self) -> int:
+        return self.balance.steps_per_epoch
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
+        self.balance.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        bal, epoch = self.balance, self.balance.epoch
+        if epoch * bal.steps_per_epoch < bal._handed:
+            raise RuntimeError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
+        plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
+        for step in range(plan.steps):
+            yield plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()

@@ -257,7 +257,7 @@ def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     sampler = bal.batch_sampler(320)
 
     def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
-        sizes = torch.tensor(np.stack([s for s, _ in bal._window]), dtype=torch.float64)
+        sizes = torch.tensor(np.stack([r.sizes for r in bal.records[bal._decided_upto:]]), dtype=torch.float64)
         handed = row[-1:]
         return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
     monkeypatch.setattr(hetero.api, "gather_rows", fake_gather)
@@ -285,3 +285,51 @@ def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
     bal.batch_sampler(64)
     bal.set_epoch(0)
     assert bal.sizes_at(0, 0).tolist() == [24, 8]
+
+
+# -- what the built-in trainer uses: replay, affine's probe sizes and sit-out, per-step records -----------------
+def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
+    recorded = {1: np.array([[3, 5], [6, 2], [4, 4]]), 2: np.array([[1, 7], [7, 1], [2, 6]])}
+    bal = _balance(monkeypatch, 1, global_batch=8, scheme="edp", rebalance_every=1, replay=recorded)
+    monkeypatch.setattr(hetero.api, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
+    assert bal.set_samples(24) == 3
+    for epoch in (1, 2):
+        bal.set_epoch(epoch)
+        for step in range(3):
+            assert bal.begin_step(step).tolist() == recorded[epoch][step].tolist()
+            assert bal._weight == recorded[epoch][step][1] / 8      # this rank's b_i / B
+            bal.end_step()
+        assert [r.sizes.tolist() for r in bal.epoch_records()] == recorded[epoch].tolist()
+    assert bal.decisions == []
+
+
+def test_affine_probes_two_sizes_in_its_first_window_then_decides(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=40, scheme="affine", rebalance_every=4)
+    bal.set_samples(400)
+    monkeypatch.setattr(hetero.api, "gather_rows", lambda row, dev: torch.stack([row, row]))
+    bal.set_epoch(1)
+    seen = []
+    for step in range(4):
+        seen.append(tuple(bal.begin_step(step).tolist()))
+        bal.end_step()
+    assert len(set(seen)) == 2 and all(sum(s) == 40 for s in seen)       # +-30% alternating, sum exact
+    assert len(bal.decisions) == 1 and bal.decisions[0].effective == 1 * 10 + 3 + 1
+
+
+def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
+    bal = _balance(monkeypatch, 1, global_batch=8, scheme="affine", sit_out=True, hetero="1:delay=5",
+                   replay={0: np.array([[8, 0], [4, 4]])})
+    bal.set_samples(16)
+    bal.set_epoch(0)
+    slept = []
+    monkeypatch.setattr(hetero.api.time, "sleep", slept.append)
+    for step in range(2):
+        bal.begin_step(step)
+        weight = bal._weight
+        bal._on_ready()                                          # what the hook does when gradients are ready
+        bal.mark_backward()
+        bal.end_step()
+        assert weight == (0.0 if step == 0 else 0.5)
+    recs = bal.epoch_records()
+    assert slept == [5.0] and [r.delay_s for r in recs] == [0.0, 5.0]   # only the step it computed is delayed
+    assert all(r.compute_s >= 0 and r.wait_s >= 0 for r in recs)

@@ -46,12 +46,14 @@ def test_bench_quickest(tmp_path):
 
     ov = res["overhead"]
     assert math.isfinite(ov["ratio"]) and ov["ratio"] > 0 and len(ov["pair_ratios"]) == len(ov["step_s"]["plain"]) == 1
+    assert math.isfinite(ov["api_ratio"]) and ov["api_ratio"] > 0
+    assert len(ov["api_pair_ratios"]) == len(ov["step_s"]["ddp_loader"]) == 1
 
     dec = res["balancer"]
     assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
                                                         for n in (2, 4, 8, 16)}
     assert all(r["decision_ms"] > 0 for r in dec)
-    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "trainer"}
+    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "trainer", "api"}
     assert (r["affinity"] == "") == (len(os.sched_getaffinity(0)) >= 2)  # pinned only when oversubscribed
 
 

@@ -15,12 +15,12 @@ import torch.nn as nn
 
 from conftest import TINY, read_run, run_train
 from hetero import memory
+from hetero.api import spend_delay
 from hetero.data import DeviceLoader
 from hetero.dist import Place, StepClock, choose_backend, exchange_places, gpu_identity, shared_gpu_groups
 from hetero.emulator import Emulator
 from hetero.memory import fitting_batch, is_alloc_failure
 from hetero.seeding import EMULATOR, epoch_seed
-from hetero.train import Trainer
 
 CPU = torch.device("cpu")
 SEED, EPOCH, RANK = 7, 2, 1
@@ -60,16 +60,15 @@ class FakeEvent:
 
 def run_steps(spec: str, steps: int, clock_for, work) -> tuple[np.ndarray, np.ndarray, list[StepClock]]:
     """Steps as the trainer times them (start, own work, the last bucket's hook with the emulated delay, ready,
-    returned, end), through the trainer's own _delay_hook: (compute_s, delay_s, clocks)."""
+    returned, end), through the Balance's own delay (api.spend_delay): (compute_s, delay_s, clocks)."""
     emulator = Emulator(spec, RANK, SEED)
     emulator.start_epoch(EPOCH)
     delay, compute, clocks = np.zeros(steps), np.zeros(steps), []
     for step in range(steps):
-        trainer = SimpleNamespace(emulator=emulator, global_step=step)
         clock = clock_for()
         clock.mark("start")
         work()
-        Trainer._delay_hook(trainer, EPOCH, step, clock, delay)()
+        delay[step] = spend_delay(emulator, EPOCH, step, clock)
         for name in ("ready", "returned", "end"):
             clock.mark(name)
         compute[step], _ = clock.read()

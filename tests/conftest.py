@@ -76,3 +76,34 @@ def replay_decisions(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
 @pytest.fixture
 def env() -> dict[str, str]:
     return _env()
+
+
+# The slow tier (make test-all, .ci/run): end-to-end launches (torchrun, papermill, make) of a minute or more
+# on 2 cores, beyond the few the fast tier keeps (one shared trainer launch, the EDP exactness launch, the
+# API's spawned exactness step). Whole modules and single tests, by name.
+SLOW_MODULES = {"test_notebooks", "test_multinode", "test_api_examples", "test_affine_real", "test_sim_vs_real",
+                "test_rebalance"}
+SLOW_TESTS = {
+    "test_memory.py::test_probe_on_cpu_ranks_means_no_limit_and_limits_still_hold",
+    "test_reliability.py::test_replay_then_resume_reproduces_the_original_bit_for_bit",
+    "test_reliability.py::test_killed_worker_fails_fast_and_resume_completes",
+    "test_reliability.py::test_torchrun_restart_resumes_from_the_last_checkpoint",
+    "test_ownership.py::test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them",
+    "test_ownership.py::test_grid_timeout_ends_every_process_even_a_stopped_rank",
+    "test_ownership.py::test_two_identical_grids_at_once_train_each_run_once",
+    "test_inputs.py::test_grid_check_prints_plain_lines",
+    "test_inputs.py::test_make_variable_with_a_quote_runs_no_shell_code",
+    "test_inputs.py::test_resume_under_torchrun_with_another_world_is_one_line",
+    "test_api.py::test_decisions_reach_every_rank_at_the_same_step_with_loader_workers",
+    "test_api.py::test_a_fixed_lag_shorter_than_the_prefetch_stops_every_rank",
+    "test_exactness.py::test_sync_and_dp_give_the_equal_weight_mean",
+    "test_gpu_path.py::test_delayed_rank_records_its_delay_as_compute_in_a_real_run",
+    "test_simulator.py::test_balancers_notebook_runs",
+}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.path.stem
+        if module in SLOW_MODULES or f"{item.path.name}::{item.originalname}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)

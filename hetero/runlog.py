@@ -138,11 +138,6 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
     return lock
 
 
-def check_run_dir(path: Path, resume: bool, overwrite: bool) -> None:
-    """claim_run_dir, released at once, leaving no folder it created."""
-    claim_run_dir(path, resume, overwrite).release(discard=True)
-
-
 def disk_error(e: OSError, path: Path) -> str:
     """One line for a failed write: disk full (ENOSPC, EDQUOT) said plainly."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):

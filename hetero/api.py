@@ -65,7 +65,7 @@ class Balance:
     """Per-rank batch sizes, the b_i/B gradient weighting, the wait-free step clock and the rebalancing rule."""
 
     def __init__(self, *, global_batch: int, scheme: str = "edp", rebalance_every: int = 0, smoothing: float = 0.0,
-                 deadband: float = 0.0, min_batch: int = 1, max_batch: int | str | Sequence | None = None,
+                 deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1, max_batch: int | str | Sequence | None = None,
                  hetero: str = "", seed: int = 0, lag: int | None = None, sit_out: bool = False,
                  replay: dict[int, np.ndarray] | None = None):
         """scheme: sync, dp, edp or affine. max_batch: an int, "probe", or one entry (int, "probe", None) per rank.
@@ -91,7 +91,7 @@ class Balance:
         check_feasible(self.size, global_batch, min_batch, limits)
         self.balancer = Balancer(self.scheme.rule, self.size, global_batch, min_batch,
                                  None if all(v == float("inf") for v in limits) else limits, smoothing, deadband,
-                                 sit_out=sit_out)
+                                 significance, sit_out=sit_out)
         self.replay = replay
         self.emulator = Emulator(hetero, self.rank, seed)
         self.seed, self.epoch, self.global_step = seed, 0, 0

@@ -20,6 +20,8 @@ class Balancer:
     smoothing: weight of the previous estimate in an exponential moving average (0 = use the latest only); the
       shares for the proportional rule, the fitted fixed and per-sample costs for the affine rule.
     deadband: keep the current batch sizes unless the predicted slowest step shrinks by more than this fraction.
+    significance: ... nor by less than this many standard errors of a difference of two ranks' mean step times in
+      the window (their scatter about the fitted line): a gain the measurement noise could produce is not made.
     sit_out: the affine rule may give a rank whose fixed cost alone exceeds the balanced step time batch 0.
     probe_steps: before its first decision the affine rule alternates batch sizes by +-30% on this many first
       steps, so every rank is timed at two sizes (later decisions also learn from the sizes changing).
@@ -33,6 +35,7 @@ class Balancer:
     max_batch: int | list[int] | None = None
     smoothing: float = 0.0
     deadband: float = 0.0
+    significance: float = 1.0
     sit_out: bool = False
     probe_steps: int = 16
     windows_kept: int = 4
@@ -50,6 +53,8 @@ class Balancer:
             raise ValueError(f"unknown rule {self.rule!r}")
         if not (0 <= self.smoothing < 1 and 0 <= self.deadband < 1):
             raise ValueError("smoothing and deadband must lie in [0, 1)")
+        if not 0 <= self.significance < np.inf:
+            raise ValueError("significance must be >= 0 (standard errors; 0: off)")
         if self.shares is None:
             self.shares = np.full(self.world, 1.0 / self.world)
         self.shares = np.asarray(self.shares, float)
@@ -102,8 +107,8 @@ class Balancer:
         self.decisions += 1
         self._probe_sizes = None
         now, after = predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, new_sizes)
-        if now - after <= self.deadband * now:  # too small a gain to be worth a change (or none at all)
-            return False
+        if now - after <= max(self.deadband * now, self.significance * noise_s(new)):
+            return False  # too small a gain to be worth a change, or one the noise alone could show
         changed = not np.array_equal(new_sizes, self.sizes)
         self.shares, self.sizes = np.asarray(new_shares, float), np.asarray(new_sizes, np.int64)
         return changed
@@ -158,6 +163,16 @@ class Balancer:
         self._probe_sizes = None
         if np.any(self.sizes > _as_bounds(self.world, self.max_batch, np.inf)):  # resumed under lower limits (a GPU probed again): same shares, new bounds
             self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch)
+
+
+def noise_s(stats: np.ndarray) -> float:
+    """Standard error (s) of the difference of two ranks' mean step times in a window [N_STATS, world], from the
+    noisiest rank's scatter about its fitted line (0 for a single step or exact times)."""
+    n, _, _, vbb, vbt, vtt = _moments(stats)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        resid = np.maximum(vtt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / (n - 1 - (vbb > 0))
+        se = np.where(n > 2, np.sqrt(resid / n), 0.0)
+    return float(np.sqrt(2) * np.nanmax(se, initial=0.0))
 
 
 def _fill_unknown(x: np.ndarray) -> np.ndarray:

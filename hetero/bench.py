@@ -14,13 +14,11 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
-
-from . import overhead, simbench
+from . import efficiency, overhead, simbench
 from .config import CliParser
-from .launch import ROOT, clean_env, torchrun_cmd
-from .measure import LaunchError, add_speedup_vs_sync, launch, markdown_table, run_meta, steady_epochs
-from .partition import SCHEMES, affine_batch_sizes, batch_sizes, predicted_step_s
+from .launch import ROOT
+from .measure import LaunchError, markdown_table, run_meta
+from .partition import SCHEMES
 
 PARTS = ("balance", "overhead", "balancer")
 
@@ -30,12 +28,14 @@ class Suite:
     """What one benchmark run measures (the full suite; --quick shrinks it)."""
     worlds: tuple[int, ...] = (2, 4)            # CPU ranks, gloo, one torch thread each
     slowdowns: tuple[float, ...] = (2.0, 4.0)   # the last rank computes this many times slower
+    delays: tuple[float, ...] = (2.0,)          # or sleeps this many equal-share steps per step (constant delay)
     schemes: tuple[str, ...] = tuple(SCHEMES)
     epochs: int = 6
     steady_from: int = 3                        # first steady-state epoch (1-based)
     batch_per_rank: int = 128                   # global batch = this x ranks: steps long against host noise
     steps: int = 16                             # steps per epoch (synthetic samples = steps x global batch)
-    repeats: int = 2                            # overhead launches
+    repeats: int = 3                            # runs of every balance row (the spread is their range)
+    overhead_launches: int = 2
     overhead_epochs: int = 12                   # trainer and plain epochs per launch, in turn; the first warm up
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
@@ -50,133 +50,43 @@ class Suite:
     def __post_init__(self):
         if not 1 <= self.steady_from <= self.epochs or self.overhead_epochs < 2:
             raise ValueError("need 1 <= steady_from <= epochs and overhead_epochs >= 2")
-        if self.batch_per_rank < 4 or self.steps < 1 or self.repeats < 1:
-            raise ValueError("need batch_per_rank >= 4, steps >= 1 and repeats >= 1")
-        if not self.worlds or min(self.worlds) < 2 or not self.slowdowns or min(self.slowdowns) < 1:
-            raise ValueError("need worlds of at least 2 ranks and slowdowns of at least 1")
+        if self.batch_per_rank < 4 or self.steps < 1 or self.repeats < 1 or self.overhead_launches < 1:
+            raise ValueError("need batch_per_rank >= 4, steps >= 1, repeats >= 1 and overhead_launches >= 1")
+        if not self.worlds or min(self.worlds) < 2 or not (self.slowdowns or self.delays):
+            raise ValueError("need worlds of at least 2 ranks and a slowdown or a delay")
+        if min(self.slowdowns, default=1) < 1 or min(self.delays, default=1) <= 0:
+            raise ValueError("need slowdowns of at least 1 and delays above 0")
         if bad := [s for s in self.schemes if s not in SCHEMES]:
             raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
         if bad := [p for p in self.parts if p not in PARTS]:
             raise ValueError(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
 
 
-QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), epochs=4, repeats=1, overhead_epochs=8)
-
-
-def affinity(world: int, pin: bool) -> str:
-    """The trainer's --affinity for `world` one-thread ranks here: "" when every rank has a core of its own, else
-    contiguous blocks (4 ranks on 2 cores: 0,0,1,1), so each core is shared by the same ranks throughout."""
-    cores = sorted(os.sched_getaffinity(0))
-    if not pin or world <= len(cores):
-        return ""
-    return ",".join(str(cores[r * len(cores) // world]) for r in range(world))
-
-
-def train(suite: Suite, out: Path, name: str, world: int, scheme: str, hetero: str, notes: list[str]) -> Path:
-    """One trainer run under torchrun (tiny model, synthetic data, one thread per rank); its run folder."""
-    run_dir = out / "runs" / name
-    launch(torchrun_cmd(world, [
-        "--model", "tiny", "--data", "synthetic", "--subset", str(suite.subset(world)), "--test-subset", "256",
-        "--global-batch", str(suite.global_batch(world)), "--epochs", str(suite.epochs), "--scheme", scheme,
-        "--hetero", hetero, "--threads", "1", "--affinity", affinity(world, suite.pin), "--augment", "false",
-        "--run-dir", str(run_dir)]), out / "logs" / f"{name}.log", 900, clean_env(threads="1"),
-        done=run_dir / "summary.json", notes=notes)
-    return run_dir
-
-
-# -- 1. balance efficiency ------------------------------------------------------------------------------------
-def calibrate(global_batch: int, rounds: int = 10) -> tuple[float, float]:
-    """(fixed_s, per_sample_s) of one tiny-model training step measured alone (this process, one thread): sizes
-    B/16..B in turn, the fastest of `rounds` per size, a least-squares line; fixed_s >= 0."""
-    import torch
-    import torch.nn.functional as F
-
-    from .models import build_model
-
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = build_model("tiny")
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    sizes = sorted({max(1, global_batch // k) for k in (16, 8, 4, 2, 1)})
-    x_all = torch.randint(0, 256, (global_batch, 3, 32, 32), dtype=torch.uint8)
-    y_all = torch.arange(global_batch) % 10
-    best = dict.fromkeys(sizes, float("inf"))
-    for r in range(rounds + 1):
-        for b in sizes:
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(model((x_all[:b].float() - 128) / 64), y_all[:b])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if r:  # the first round warms up
-                best[b] = min(best[b], time.perf_counter() - t0)
-    per, fixed = np.polyfit(sizes, [best[b] for b in sizes], 1)
-    return max(float(fixed), 0.0), float(per)
-
-
-def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int) -> dict:
-    """One run's cost model from its steps.csv (steady-state steps): rank i costs s_i x (a + c x b) seconds, the ideal
-    and equal-share step times, the all-reduce time and the jitter (README: benchmarks)."""
-    a, c = calib
-    world = steps["rank"].nunique()
-    steady = steps[steps.epoch >= steady_from]
-    by_rank, per_step = steady.groupby("rank"), steady.groupby(["epoch", "step"])
-    scale = (by_rank.compute_s.sum() / by_rank.batch_size.apply(lambda b: (a + c * b).sum())).to_numpy()
-    fixed, per = scale * a, scale * c
-    best = affine_batch_sizes(fixed, per, global_batch)
-    equal = batch_sizes(np.ones(world), global_batch)
-    return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
-            "ideal_sizes": best.tolist(), "ideal_step_s": predicted_step_s(fixed, per, best),
-            "sync_step_s": predicted_step_s(fixed, per, equal),
-            "allreduce_s": float(per_step.wait_s.min().mean()),
-            # per-step variation no per-rank share removes: mean of the per-step slowest minus slowest mean
-            "jitter_s": float(per_step.compute_s.max().mean() - by_rank.compute_s.mean().max())}
-
-
-def balance(suite: Suite, out: Path, calib: tuple[float, float], notes: list[str]) -> list[dict]:
-    """Every scheme with the last rank slowed, per world size and slowdown: epoch time against the run's ideal."""
-    import pandas as pd
-
-    rows = []
-    for world in suite.worlds:
-        for slow in suite.slowdowns:
-            found = []
-            for scheme in suite.schemes:
-                name = f"balance-w{world}-x{slow:g}-{scheme}"
-                print(f"bench: {name}", flush=True)
-                d = train(suite, out, name, world, scheme, f"{world - 1}:slowdown={slow:g}", notes)
-                ranks, steps = (pd.read_csv(d / f"{t}.csv") for t in ("ranks", "steps"))
-                m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from)
-                steady = steady_epochs(d, suite.steady_from)
-                n = int(steady[0]["steps"])
-                ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])
-                epoch_s = float(np.median([float(r["epoch_time_s"]) for r in steady]))
-                found.append({"world": world, "slowdown": slow, "scheme": scheme, "affinity": affinity(world, suite.pin),
-                              "global_batch": suite.global_batch(world), "steps": n, "epoch_s": epoch_s,
-                              "ideal_s": ideal_s, "over_ideal": epoch_s / ideal_s, "sync_bound_s": bound_s,
-                              "over_sync_bound": epoch_s / bound_s, "predicted_speedup": bound_s / ideal_s,
-                              "jitter": n * m["jitter_s"] / ideal_s,
-                              "balance_eff": float(np.mean([float(r["balance_eff"]) for r in steady])),
-                              "shares": ranks[ranks.epoch == ranks.epoch.max()].share.round(3).tolist(),
-                              "cost_model": m, "run_dir": str(d)})
-            add_speedup_vs_sync(found)
-            rows += found
-    return rows
+QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
+             overhead_epochs=8)
 
 
 # -- the report -----------------------------------------------------------------------------------------------
 def checks(res: dict) -> list[dict]:
-    """The suite's targets (README: benchmarks), each with the measured value and whether it passes."""
+    """The suite's targets (README: benchmarks), each with the measured value and whether it passes; balance rows
+    by their median over the repeats."""
     out = []
-    bal = res.get("balance", [])
-    for world in sorted({r["world"] for r in bal}):
-        if dp := [r["over_ideal"] for r in bal if r["scheme"] in ("dp", "edp") and r["world"] == world]:
+    summ = res.get("balance_summary", [])
+    for world in sorted({r["world"] for r in summ}):
+        if dp := [r["over_ideal"] for r in summ if r["scheme"] in ("dp", "edp") and r["world"] == world]:
             out.append({"target": f"dp/edp steady epoch time <= 1.10 x ideal, {world} ranks", "value": max(dp),
                         "pass": max(dp) <= 1.10})
-    if sy := [r["over_sync_bound"] for r in bal if r["scheme"] == "sync"]:
+    if sy := [r["over_sync_bound"] for r in summ if r["scheme"] == "sync"]:
         worst = max(sy, key=lambda v: abs(v - 1))
         out.append({"target": "sync epoch time within 10% of the slowest-rank bound", "value": worst,
                     "pass": abs(worst - 1) <= 0.10})
+    if cmp := res.get("affine_vs_dp"):
+        worst = max(cmp, key=lambda r: r["affine"] - r["dp"] - r["dp_spread"])
+        out.append({"target": "affine <= dp + dp's run-to-run spread, every row (worst margin)",
+                    "value": worst["affine"] - worst["dp"] - worst["dp_spread"], "pass": all(r["within"] for r in cmp)})
+        if delay := [r for r in cmp if r["kind"] == "delay"]:
+            out.append({"target": "affine ahead of dp in the constant-delay rows (largest affine - dp)",
+                        "value": max(r["affine"] - r["dp"] for r in delay), "pass": all(r["ahead"] for r in delay)})
     if ov := res.get("overhead"):
         out.append({"target": "trainer step <= 1.03 x plain DDP step", "value": ov["ratio"], "pass": ov["ratio"] <= 1.03})
         out.append({"target": "api step <= 1.01 x plain DDP step (same DataLoader)", "value": ov["api_ratio"],
@@ -193,17 +103,27 @@ def table(res: dict) -> str:
     m = res["meta"]
     lines = [f"# hetero benchmarks, {m['date']}, {m['host']} ({m['cpu']}, {m['cores']} cores, load average "
              f"{m['load_avg_start'][0]:.1f} at start, {m['load_avg_end'][0]:.1f} at end)", "", f"`{m['command']}`", ""]
-    if res.get("balance"):
-        lines += ["## Balance efficiency (steady-state epoch time; ideal = steps x (T* + all-reduce))", ""]
+    if summ := res.get("balance_summary"):
+        n = max(r["repeats"] for r in summ)
+        lines += [f"## Balance efficiency (steady-state epoch time over ideal = steps x (T* + all-reduce); median of "
+                  f"{n} run{'s' * (n > 1)}, [min-max])", ""]
         lines += markdown_table(
-            ["ranks", "B", "slowdown", "scheme", "epoch s", "ideal s", "/ ideal", "/ sync bound", "speedup vs sync",
-             "predicted", "jitter", "shares"],
-            [[r["world"], r["global_batch"], f"{r['slowdown']:g}x", r["scheme"], f"{r['epoch_s']:.3f}",
-              f"{r['ideal_s']:.3f}", f"{r['over_ideal']:.3f}", f"{r['over_sync_bound']:.3f}",
-              "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x", f"{r['predicted_speedup']:.2f}x",
-              f"{r['jitter']:.3f}", "/".join(f"{s:.2f}" for s in r["shares"])] for r in res["balance"]])
-        pinned = sorted({(r["world"], r["affinity"]) for r in res["balance"] if r["affinity"]})
+            ["ranks", "B", "last rank", "scheme", "/ ideal", "/ sync bound", "speedup vs sync", "predicted", "jitter",
+             "shares"],
+            [[r["world"], r["global_batch"], r["effect"], r["scheme"],
+              f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
+              f"{r['over_sync_bound']:.3f}", "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
+              f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", "/".join(f"{s:.2f}" for s in r["shares"])]
+             for r in summ])
+        pinned = sorted({(r["world"], r["affinity"]) for r in summ if r["affinity"]})
         lines += [""] + [f"{w} ranks pinned to cores {a} (--affinity)." for w, a in pinned] + [""]
+    if cmp := res.get("affine_vs_dp"):
+        lines += ["## affine against dp (median epoch / ideal; spread = max - min over the repeats)", ""]
+        lines += markdown_table(
+            ["ranks", "last rank", "dp", "dp spread", "affine", "affine spread", "affine - dp", "within dp's spread"],
+            [[r["world"], r["effect"], f"{r['dp']:.3f}", f"{r['dp_spread']:.3f}", f"{r['affine']:.3f}",
+              f"{r['affine_spread']:.3f}", f"{r['affine'] - r['dp']:+.3f}", "yes" if r["within"] else "no"]
+             for r in cmp]) + [""]
     if ov := res.get("overhead"):
         lines += ["## Overhead (no heterogeneity, 2 ranks)", "",
                   f"trainer {1e3 * ov['trainer_step_s']:.2f} ms/step, plain DDP {1e3 * ov['plain_step_s']:.2f} "
@@ -235,11 +155,13 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     res: dict = {"meta": {**run_meta(command), "suite": asdict(suite)}, "notes": []}
     t0 = time.perf_counter()
     if "balance" in suite.parts:
-        calib = calibrate(suite.global_batch(max(suite.worlds)))
+        calib = efficiency.calibrate(suite.global_batch(max(suite.worlds)))
         res["calibration"] = {"fixed_s": calib[0], "per_sample_s": calib[1]}
-        res["balance"] = balance(suite, out, calib, res["notes"])
+        res["balance"] = efficiency.balance(suite, out, calib, res["notes"])
+        res["balance_summary"] = efficiency.summary(res["balance"])
+        res["affine_vs_dp"] = efficiency.affine_vs_dp(res["balance_summary"])
     if "overhead" in suite.parts:
-        res["overhead"] = overhead.measure(out, suite.repeats, suite.subset(2), suite.global_batch(2),
+        res["overhead"] = overhead.measure(out, suite.overhead_launches, suite.subset(2), suite.global_batch(2),
                                            suite.overhead_epochs, res["notes"])
     if "balancer" in suite.parts:
         print("bench: balancer decisions", flush=True)
@@ -261,7 +183,7 @@ def listed(kind: type):
 
 def main(argv: list[str] | None = None) -> int:
     p = CliParser(prog="python -m hetero.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 ranks only, sync/dp/edp, shorter runs, one overhead pair")
+    p.add_argument("--quick", action="store_true", help="2 ranks, sync/dp/edp, slowdowns only, one run each, shorter runs, one overhead launch")
     p.add_argument("--out", default="", help="output folder (default runs/bench/<time>)")
     p.add_argument("--worlds", type=listed(int), help="rank counts, e.g. 2,4")
     p.add_argument("--slowdowns", type=listed(float), help="e.g. 2,4")
@@ -271,14 +193,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steady-from", type=int)
     p.add_argument("--batch-per-rank", type=int, help="global batch = this x ranks")
     p.add_argument("--steps", type=int, help="steps per epoch")
-    p.add_argument("--repeats", type=int, help="overhead launches")
+    p.add_argument("--delays", type=listed(float), help="constant-delay rows, in equal-share steps, e.g. 2")
+    p.add_argument("--repeats", type=int, help="runs of every balance row")
+    p.add_argument("--overhead-launches", type=int)
     p.add_argument("--overhead-epochs", type=int)
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--no-pin", dest="pin", action="store_false", default=None,
                    help="leave ranks unpinned even when there are more ranks than cores")
     ns = p.parse_args(argv)
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
-                                        "batch_per_rank", "steps", "repeats", "overhead_epochs", "pin")
+                                        "batch_per_rank", "steps", "repeats", "overhead_launches", "overhead_epochs",
+                                        "pin", "delays")
             if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)

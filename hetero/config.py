@@ -74,6 +74,8 @@ class Config:
     rebalance_every: int = _opt(0, "re-decide batch sizes every K steps (0: at epoch ends only)")
     smoothing: float = _opt(0.0, "weight of the previous estimate in the balancer's moving average, in [0, 1)")
     deadband: float = _opt(0.0, "keep batch sizes unless the predicted step time drops by more than this fraction")
+    significance: float = _opt(1.0, "keep batch sizes unless the predicted gain exceeds this many standard "
+                                    "errors of the measured step times (0: off)")
     timeout_s: float = _opt(300.0, "collective timeout in seconds: a dead peer ends the run after this long")
     run_dir: str = _opt("", "the run folder (empty: runs/<model>-<scheme>-<torchrun's run id>; "
                                  "outside torchrun runs/<time>-<model>-<scheme>)")
@@ -131,6 +133,8 @@ class Config:
             raise ConfigError(f"--seed must be at most 2**32-1 = {MAX_SEED} (got {self.seed})")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise ConfigError(f"--timeout-s must be at most {MAX_TIMEOUT_S:.0f} (30 days; got {self.timeout_s:g})")
+        if not 0 <= self.significance <= 100:
+            raise ConfigError(f"--significance must be in [0, 100] standard errors (got {self.significance})")
         for name in ("momentum", "smoothing", "deadband"):  # momentum >= 1 makes SGD's velocity grow without bound
             v = getattr(self, name)
             if not (0 <= v < 1):

@@ -24,9 +24,9 @@ KINDS = ("trainer", "plain", "api", "ddp_loader")
 
 
 def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0) -> None:
-    """Run by torchrun: the trainer's epoch loop and a plain DDP loop over the same model, data and options, then the
-    API's loop and plain DDP over the same DataLoader, taking turns epoch by epoch in the same processes; rank 0
-    writes their epoch times (s) to `out` as JSON."""
+    """Run by torchrun: the trainer's epoch loop and a plain DDP loop over the same model, data and options, taking
+    turns epoch by epoch, then the API's loop and plain DDP over the same DataLoader, taking turns step by step, in
+    the same processes; rank 0 writes their epoch times (s) to `out` as JSON."""
     from contextlib import nullcontext
 
     import torch
@@ -86,16 +86,24 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
                 loader = DataLoader(ds, batch_size=b, sampler=sampler, drop_last=True)
             loops[kind] = (m, o, loader)
 
-        def loader_epoch(kind: str, epoch: int) -> float:
-            m, o, loader = loops[kind]
-            (bal if kind == "api" else loader.sampler).set_epoch(epoch)
-            t0 = time.perf_counter()
-            for x, y in loader:
-                with bal.step() if kind == "api" else nullcontext():
-                    F.cross_entropy(m(x), y).backward()
-                    o.step()
-                    o.zero_grad(set_to_none=True)
-            return time.perf_counter() - t0
+        def loader_epochs(epoch: int) -> tuple[float, float]:
+            """One epoch of each DataLoader loop, interleaved step by step (which goes first alternates), so load
+            from elsewhere falls on both alike; returns (api, ddp_loader) epoch seconds, batch fetches included."""
+            bal.set_epoch(epoch)
+            loops["ddp_loader"][2].sampler.set_epoch(epoch)
+            its = {k: iter(loops[k][2]) for k in ("api", "ddp_loader")}
+            spent = {"api": 0.0, "ddp_loader": 0.0}
+            for step in range(len(loops["api"][2])):
+                for kind in (("api", "ddp_loader") if step % 2 else ("ddp_loader", "api")):
+                    m, o, _ = loops[kind]
+                    t0 = time.perf_counter()
+                    x, y = next(its[kind])
+                    with bal.step() if kind == "api" else nullcontext():
+                        F.cross_entropy(m(x), y).backward()
+                        o.step()
+                        o.zero_grad(set_to_none=True)
+                    spent[kind] += time.perf_counter() - t0
+            return spent["api"], spent["ddp_loader"]
 
         def trainer_epoch(epoch: int) -> float:
             bar = tqdm(total=steps, leave=False, file=sys.stderr) if world.is_main else None  # as Trainer.fit
@@ -104,14 +112,17 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
                 bar.close()
             return r.train_s
 
-        run = {"trainer": trainer_epoch, "plain": plain_epoch, "api": lambda e: loader_epoch("api", e),
-               "ddp_loader": lambda e: loader_epoch("ddp_loader", e)}
+        run = {"trainer": trainer_epoch, "plain": plain_epoch}
         epoch_s: dict[str, list[float]] = {k: [] for k in KINDS}
         for epoch in range(1, epochs + 1):
-            for kind in (KINDS if epoch % 2 else KINDS[::-1]):  # each pair back to back, in turn
+            for kind in (("trainer", "plain") if epoch % 2 else ("plain", "trainer")):  # back to back, in turn
                 epoch_s[kind].append(run[kind](epoch))
+            api_s, ddp_s = loader_epochs(epoch)
+            epoch_s["api"].append(api_s)
+            epoch_s["ddp_loader"].append(ddp_s)
         if world.is_main:
-            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.size}))
+            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.size,
+                                        "api_sizes": [d.sizes for d in bal.decisions]}))
         ok = True
     finally:
         teardown(ok)

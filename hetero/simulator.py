@@ -149,11 +149,12 @@ class SimResult:
 
 
 def simulate(scenario: Scenario, scheme: str, global_batch: int, epochs: int, steps_per_epoch: int, *,
-             min_batch=1, max_batch=None, smoothing: float = 0.0, deadband: float = 0.0, rebalance_every: int = 0,
-             sit_out: bool = False, seed: int = 0) -> SimResult:
+             min_batch=1, max_batch=None, smoothing: float = 0.0, deadband: float = 0.0, significance: float = 1.0,
+             rebalance_every: int = 0, sit_out: bool = False, seed: int = 0) -> SimResult:
     """Run one scheme for epochs x steps_per_epoch steps; the same seed gives every scheme the same draws."""
     n = scenario.world
-    bal = Balancer(SCHEMES[scheme].rule, n, global_batch, min_batch, max_batch, smoothing, deadband, sit_out=sit_out)
+    bal = Balancer(SCHEMES[scheme].rule, n, global_batch, min_batch, max_batch, smoothing, deadband, significance,
+                   sit_out=sit_out)
     rng = np.random.default_rng(seed)
     oracle: dict[bytes, np.ndarray] = {}
     S = epochs * steps_per_epoch

@@ -113,7 +113,8 @@ class Trainer:
         if any(s.probe for s in cfg.rank_settings(world.size)):
             self.max_batches = self._probe_limits(data)  # data on the device, before DDP: the bare model
         self.balance = Balance(global_batch=cfg.global_batch, scheme=cfg.scheme, rebalance_every=cfg.rebalance_every,
-                               smoothing=cfg.smoothing, deadband=cfg.deadband, min_batch=cfg.min_batch,
+                               smoothing=cfg.smoothing, deadband=cfg.deadband,
+                               significance=cfg.significance, min_batch=cfg.min_batch,
                                max_batch=self.max_batches, hetero=cfg.hetero, seed=cfg.seed, lag=0,
                                sit_out=cfg.sit_out, replay=replay)
         self.balance.set_samples(len(self.train_loader))

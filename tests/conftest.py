@@ -55,7 +55,7 @@ def replay_decisions(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     r = read_run(run_dir)
     cfg, world = Config(**r["config"]["config"]), r["config"]["world_size"]
     bal = Balancer(SCHEMES[cfg.scheme].rule, world, cfg.global_batch, cfg.min_batch, cfg.max_batches(world),
-                   cfg.smoothing, cfg.deadband, sit_out=cfg.sit_out)
+                   cfg.smoothing, cfg.deadband, cfg.significance, sit_out=cfg.sit_out)
     recorded, replayed = [], []
     for _, ep in r["steps"].groupby("epoch"):
         sizes = ep.pivot(index="step", columns="rank", values="batch_size").to_numpy()

@@ -34,7 +34,9 @@ def test_bench_quickest(tmp_path):
     assert res["meta"]["suite"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.bench")
 
     (r,) = res["balance"]
-    assert (r["world"], r["slowdown"], r["scheme"], r["speedup_vs_sync"]) == (2, 8.0, "edp", None)
+    assert (r["world"], r["kind"], r["hetero"], r["scheme"], r["speedup_vs_sync"]) == (2, "slowdown", "1:slowdown=8",
+                                                                                         "edp", None)
+    assert [(s["scheme"], s["repeats"], s["over_ideal"]) for s in res["balance_summary"]] == [("edp", 1, r["over_ideal"])]
     assert (r["global_batch"], r["steps"]) == (64, 8)
     assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("over_ideal", "over_sync_bound")) and r["jitter"] >= 0
     assert abs(sum(r["shares"]) - 1) < 0.01  # over_ideal, over_sync_bound: hardware figures, only finite
@@ -165,3 +167,48 @@ def test_make_knobs_are_the_flags_of_the_same_name(target, knobs, module):
         # values reach the shell through the environment (a quote in a value runs nothing), flags keep the names
         assert (f'{flag} "${k}"' in make or f'{flag} "${k}"' in make.replace("${" + k + ":+", "")
                 if k != "QUICK" else flag in make) and flag in helptext
+
+
+def _steps_frame(fixed, per, delay, sizes, steps=8):
+    """A steps.csv-like frame with exact times: rank i computes fixed_i + per_i x b plus delay_i (its delay_s)."""
+    import pandas as pd
+
+    rows = [{"epoch": e, "step": s, "rank": i, "batch_size": sizes[i], "delay_s": delay[i],
+             "compute_s": fixed[i] + per[i] * sizes[i] + delay[i], "wait_s": 0.001 + 0.01 * (i == 0)}
+            for e in (1, 2) for s in range(steps) for i in range(len(sizes))]
+    return pd.DataFrame(rows)
+
+
+def test_cost_model_counts_a_constant_delay_as_fixed_cost_and_a_slowdown_as_scale():
+    from hetero.efficiency import cost_model
+
+    a, c = 0.004, 0.0005
+    # rank 1 sleeps 0.05 s per step: its own work is like rank 0's, its fixed cost is a + 0.05
+    m = cost_model(_steps_frame([a, a], [c, c], [0.0, 0.05], [96, 32]), (a, c), 128, 2, kind="delay")
+    assert m["scale"] == pytest.approx([1.0, 1.0]) and m["fixed_s"] == pytest.approx([a, a + 0.05])
+    assert m["allreduce_s"] == pytest.approx(0.001)
+    assert sum(m["ideal_sizes"]) == 128 and m["ideal_sizes"][1] < 32  # the delay must cost it samples
+    # the same times read as a slowdown: the sleep scales the rank's cost (the slowdown emulator's meaning)
+    s = cost_model(_steps_frame([a, a], [c, c], [0.0, 0.05], [96, 32]), (a, c), 128, 2)
+    assert s["scale"][1] == pytest.approx((a + c * 32 + 0.05) / (a + c * 32)) and s["fixed_s"][1] > a
+
+
+def test_summary_and_affine_against_dp_over_repeats():
+    from hetero.efficiency import affine_vs_dp, summary
+
+    def row(scheme, effect, kind, ratio, rep):
+        return {"world": 2, "effect": effect, "kind": kind, "scheme": scheme, "repeat": rep, "global_batch": 256,
+                "over_ideal": ratio, "over_sync_bound": 0.7, "speedup_vs_sync": None, "predicted_speedup": 1.5,
+                "jitter": 0.02, "shares": [0.6, 0.4], "affinity": ""}
+    rows = [row("dp", "2x slower", "slowdown", v, i) for i, v in enumerate((1.02, 1.05, 1.03))]
+    rows += [row("affine", "2x slower", "slowdown", v, i) for i, v in enumerate((1.06, 1.07, 1.05))]
+    rows += [row("dp", "+60 ms (2x)", "delay", v, i) for i, v in enumerate((1.10, 1.12, 1.11))]
+    rows += [row("affine", "+60 ms (2x)", "delay", v, i) for i, v in enumerate((1.02, 1.03, 1.01))]
+    summ = summary(rows)
+    assert [(r["scheme"], r["repeats"], r["over_ideal"], r["min"], r["max"]) for r in summ[:2]] == [
+        ("dp", 3, 1.03, 1.02, 1.05), ("affine", 3, 1.06, 1.05, 1.07)]
+    slow, delay = affine_vs_dp(summ)
+    assert slow["dp_spread"] == pytest.approx(0.03) and slow["within"] and not slow["ahead"]  # 1.06 <= 1.03 + 0.03
+    assert delay["ahead"] and delay["within"] and delay["kind"] == "delay"
+    rows[3]["over_ideal"] = rows[4]["over_ideal"] = 1.07  # affine's median 1.07 > 1.03 + 0.03: outside the spread
+    assert not affine_vs_dp(summary(rows))[0]["within"]

@@ -54,7 +54,7 @@ help:  ## list the targets and the config fields (meaning, choices, default)
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
 	@echo; echo "Variables (any other is refused):"; echo "  $(SETTINGS)"
 	@echo "and the config fields (python -m hetero.train --help):"
-	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m hetero.config
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m hetero.cli
 
 install: $(STAMP)  ## create .venv with torch, torchvision, jupyterlab, papermill, ... (once)
 $(STAMP): pyproject.toml

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 
 from . import efficiency, overhead, simbench
-from .config import CliParser
+from .cli import CliParser
 from .launch import ROOT
 from .measure import LaunchError, markdown_table, run_meta
 from .partition import SCHEMES

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import CliParser
+from .cli import CliParser
 from .launch import clean_env, torchrun_cmd
 from .measure import launch
 

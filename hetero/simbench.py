@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .balancer import Balancer
-from .config import CliParser
+from .cli import CliParser
 from .measure import markdown_table
 from .partition import SCHEMES
 from .simulator import Scenario, compare

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import Config, ConfigError, default_run_dir, parse_args
+from .cli import parse_args
+from .config import Config, ConfigError, default_run_dir
 from .data import DataError, load_data
 from .dist import World, apply_cpu_budget, env_world, setup, teardown
 from .measure import provenance

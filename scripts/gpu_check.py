@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hetero, wherever python started
 from gpu_parts import GPU, SKIPPED, SMOKE, Sizes, markdown, probe, raw_samples_s  # noqa: E402
-from hetero.config import CliParser  # noqa: E402
+from hetero.cli import CliParser  # noqa: E402
 from hetero.launch import ROOT, clean_env, torchrun_cmd  # noqa: E402
 from hetero.measure import (LaunchError, add_speedup_vs_sync, launch, read_rows, run_meta,  # noqa: E402
                             steady_epoch_s, steady_epochs)

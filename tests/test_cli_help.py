@@ -10,7 +10,8 @@ from dataclasses import fields
 
 import pytest
 
-from hetero.config import Config, build_parser, flag_help, flag_table
+from hetero.cli import build_parser, flag_help, flag_table
+from hetero.config import Config
 from hetero.launch import ROOT
 from hetero.models import MODELS
 from hetero.partition import SCHEMES
@@ -54,7 +55,7 @@ def test_help_through_the_command_line():
 
 def test_readme_flag_table_is_the_generated_one():
     readme = (ROOT / "README.md").read_text()
-    assert flag_table(markdown=True) in readme, "regenerate it: python -m hetero.config --markdown"
+    assert flag_table(markdown=True) in readme, "regenerate it: python -m hetero.cli --markdown"
 
 
 def test_make_help_lists_every_field_with_its_help():

@@ -10,7 +10,8 @@ import psutil
 import pytest
 
 from hetero import grid as hg
-from hetero.config import Config, parse_args
+from hetero.cli import parse_args
+from hetero.config import Config
 
 TINY = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_batch=64, epochs=1, device="cpu")
 

@@ -10,7 +10,8 @@ from dataclasses import fields
 import nbformat
 import pytest
 
-from hetero.config import Config, build_parser
+from hetero.cli import build_parser
+from hetero.config import Config
 from hetero.grid import GRID_KEYS, PARAMETERS
 from hetero.launch import ROOT
 

@@ -109,11 +109,12 @@ def table(res: dict) -> str:
                   f"{n} run{'s' * (n > 1)}, [min-max])", ""]
         lines += markdown_table(
             ["ranks", "B", "last rank", "scheme", "/ ideal", "/ sync bound", "speedup vs sync", "predicted", "jitter",
-             "shares"],
+             "misallocation", "size changes", "shares"],
             [[r["world"], r["global_batch"], r["effect"], r["scheme"],
               f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
               f"{r['over_sync_bound']:.3f}", "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
-              f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", "/".join(f"{s:.2f}" for s in r["shares"])]
+              f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", f"{r['misallocation']:.3f}",
+              f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])]
              for r in summ])
         pinned = sorted({(r["world"], r["affinity"]) for r in summ if r["affinity"]})
         lines += [""] + [f"{w} ranks pinned to cores {a} (--affinity)." for w, a in pinned] + [""]

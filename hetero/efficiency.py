@@ -92,12 +92,16 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     fixed, per = scale * a + delay, scale * c
     best = affine_batch_sizes(fixed, per, global_batch)
     equal = batch_sizes(np.ones(world), global_batch)
+    sizes = steady.pivot_table(index=["epoch", "step"], columns="rank", values="batch_size").to_numpy()
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
             "ideal_sizes": best.tolist(), "ideal_step_s": predicted_step_s(fixed, per, best),
             "sync_step_s": predicted_step_s(fixed, per, equal),
             "allreduce_s": float(per_step.wait_s.min().mean()),
             # per-step variation no per-rank share removes: mean of the per-step slowest minus slowest mean
-            "jitter_s": float(per_step.compute_s.max().mean() - by_rank.compute_s.mean().max())}
+            "jitter_s": float(per_step.compute_s.max().mean() - by_rank.compute_s.mean().max()),
+            # the balancer's part: the model's slowest step at the sizes it chose over T*, and how often they moved
+            "misallocation_s": float((sizes * per + fixed).max(1).mean() - predicted_step_s(fixed, per, best)),
+            "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
 
 
 def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str, str, str], scheme: str, repeat: int,
@@ -119,7 +123,8 @@ def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str,
             "affinity": affinity(world, suite.pin), "global_batch": suite.global_batch(world), "steps": n,
             "epoch_s": epoch_s, "ideal_s": ideal_s, "over_ideal": epoch_s / ideal_s, "sync_bound_s": bound_s,
             "over_sync_bound": epoch_s / bound_s, "predicted_speedup": bound_s / ideal_s,
-            "jitter": n * m["jitter_s"] / ideal_s,
+            "jitter": n * m["jitter_s"] / ideal_s, "misallocation": n * m["misallocation_s"] / ideal_s,
+            "size_changes": m["size_changes"],
             "balance_eff": float(np.mean([float(r["balance_eff"]) for r in steady])),
             "shares": ranks[ranks.epoch == ranks.epoch.max()].share.round(3).tolist(), "cost_model": m,
             "run_dir": str(d)}
@@ -153,7 +158,8 @@ def summary(rows: list[dict]) -> list[dict]:
                     "global_batch": rs[0]["global_batch"], "over_ideal": med("over_ideal"), "min": min(ratios),
                     "max": max(ratios), "over_sync_bound": med("over_sync_bound"),
                     "speedup_vs_sync": med("speedup_vs_sync"), "predicted_speedup": med("predicted_speedup"),
-                    "jitter": med("jitter"), "shares": rs[-1]["shares"], "affinity": rs[0]["affinity"]})
+                    "jitter": med("jitter"), "misallocation": med("misallocation"),
+                    "size_changes": med("size_changes"), "shares": rs[-1]["shares"], "affinity": rs[0]["affinity"]})
     return out
 
 

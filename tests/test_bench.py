@@ -188,6 +188,8 @@ def test_cost_model_counts_a_constant_delay_as_fixed_cost_and_a_slowdown_as_scal
     assert m["scale"] == pytest.approx([1.0, 1.0]) and m["fixed_s"] == pytest.approx([a, a + 0.05])
     assert m["allreduce_s"] == pytest.approx(0.001)
     assert sum(m["ideal_sizes"]) == 128 and m["ideal_sizes"][1] < 32  # the delay must cost it samples
+    assert m["size_changes"] == 0 and m["misallocation_s"] == pytest.approx(  # [96, 32] is not the optimum
+        max(a + c * 96, a + 0.05 + c * 32) - m["ideal_step_s"]) and m["misallocation_s"] > 0.001
     # the same times read as a slowdown: the sleep scales the rank's cost (the slowdown emulator's meaning)
     s = cost_model(_steps_frame([a, a], [c, c], [0.0, 0.05], [96, 32]), (a, c), 128, 2)
     assert s["scale"][1] == pytest.approx((a + c * 32 + 0.05) / (a + c * 32)) and s["fixed_s"][1] > a

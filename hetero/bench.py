@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import overhead, simbench
+from . import noisefit, overhead, simbench
 from .config import CliParser
 from .launch import ROOT, clean_env, torchrun_cmd
 from .measure import LaunchError, add_speedup_vs_sync, launch, markdown_table, run_meta, steady_epochs
@@ -151,6 +151,7 @@ def balance(suite: Suite, out: Path, calib: tuple[float, float], notes: list[str
                 n = int(steady[0]["steps"])
                 ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])
                 epoch_s = float(np.median([float(r["epoch_time_s"]) for r in steady]))
+                sim = noisefit.replay(d, m, suite.steady_from)  # the run replayed in the simulator with its own jitter
                 found.append({"world": world, "slowdown": slow, "scheme": scheme, "affinity": affinity(world, suite.pin),
                               "global_batch": suite.global_batch(world), "steps": n, "epoch_s": epoch_s,
                               "ideal_s": ideal_s, "over_ideal": epoch_s / ideal_s, "sync_bound_s": bound_s,
@@ -158,7 +159,7 @@ def balance(suite: Suite, out: Path, calib: tuple[float, float], notes: list[str
                               "jitter": n * m["jitter_s"] / ideal_s,
                               "balance_eff": float(np.mean([float(r["balance_eff"]) for r in steady])),
                               "shares": ranks[ranks.epoch == ranks.epoch.max()].share.round(3).tolist(),
-                              "cost_model": m, "run_dir": str(d)})
+                              "simulated": sim["simulated"], "replay": sim, "cost_model": m, "run_dir": str(d)})
             add_speedup_vs_sync(found)
             rows += found
     return rows
@@ -188,6 +189,12 @@ def checks(res: dict) -> list[dict]:
     return out
 
 
+def _simulated(row: dict) -> str:
+    """The replay's epoch / ideal and its spread over seeds ("" for a row from before the replay existed)."""
+    rep = row.get("replay")
+    return f"{rep['simulated']:.3f} ± {rep['simulated_sd']:.3f}" if rep else ""
+
+
 def table(res: dict) -> str:
     """The markdown report of one benchmark run."""
     m = res["meta"]
@@ -196,10 +203,10 @@ def table(res: dict) -> str:
     if res.get("balance"):
         lines += ["## Balance efficiency (steady-state epoch time; ideal = steps x (T* + all-reduce))", ""]
         lines += markdown_table(
-            ["ranks", "B", "slowdown", "scheme", "epoch s", "ideal s", "/ ideal", "/ sync bound", "speedup vs sync",
-             "predicted", "jitter", "shares"],
+            ["ranks", "B", "slowdown", "scheme", "epoch s", "ideal s", "/ ideal", "simulated", "/ sync bound",
+             "speedup vs sync", "predicted", "jitter", "shares"],
             [[r["world"], r["global_batch"], f"{r['slowdown']:g}x", r["scheme"], f"{r['epoch_s']:.3f}",
-              f"{r['ideal_s']:.3f}", f"{r['over_ideal']:.3f}", f"{r['over_sync_bound']:.3f}",
+              f"{r['ideal_s']:.3f}", f"{r['over_ideal']:.3f}", _simulated(r), f"{r['over_sync_bound']:.3f}",
               "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x", f"{r['predicted_speedup']:.2f}x",
               f"{r['jitter']:.3f}", "/".join(f"{s:.2f}" for s in r["shares"])] for r in res["balance"]])
         pinned = sorted({(r["world"], r["affinity"]) for r in res["balance"] if r["affinity"]})

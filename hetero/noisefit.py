@@ -73,8 +73,8 @@ class NoiseFit:
 def fit_jitter(jitter: np.ndarray, epoch: np.ndarray) -> NoiseFit:
     """Fit a [T, n] matrix of multiplicative jitter (steps in order; epoch [T] marks where lags stop)."""
     jitter, epoch = np.asarray(jitter, float), np.asarray(epoch)
-    if jitter.ndim != 2 or len(jitter) < 3 or len(epoch) != len(jitter) or not np.all(jitter > 0):
-        raise ValueError("need at least 3 steps of positive jitter, one epoch number per step")
+    if jitter.ndim != 2 or not len(jitter) or len(epoch) != len(jitter) or not np.all(jitter > 0):
+        raise ValueError("need at least one step of positive jitter, one epoch number per step")
     jitter = jitter / jitter.mean(0)  # mean 1: the mean cost lives in the cost model, not in the noise
     x = np.log(jitter)
     d = x - x.mean(0)
@@ -82,8 +82,8 @@ def fit_jitter(jitter: np.ndarray, epoch: np.ndarray) -> NoiseFit:
     with np.errstate(invalid="ignore", divide="ignore"):
         skew = np.where(sd > 0, (d ** 3).mean(0) / sd ** 3, 0.0)
         same = epoch[1:] == epoch[:-1]
-        phi = np.where(sd > 0, (d[1:][same] * d[:-1][same]).mean(0) / sd ** 2, 0.0)
-        corr = np.corrcoef(d.T) if jitter.shape[1] > 1 else np.ones((1, 1))
+        phi = np.where(sd > 0, (d[1:][same] * d[:-1][same]).mean(0) / sd ** 2, 0.0) if same.any() else 0 * sd
+        corr = np.corrcoef(d.T) if jitter.shape[1] > 1 and len(d) > 1 else np.eye(jitter.shape[1])
     corr = np.where(np.isfinite(corr), corr, np.eye(len(corr)))
     return NoiseFit(jitter, epoch, sd, skew, phi, np.atleast_2d(corr))
 

@@ -132,9 +132,10 @@ def over_ideal(scheme: str, global_batch: int, epochs: int, steps_per_epoch: int
 
 
 def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 16, method: str = "bootstrap",
-           block: int = 4, noise: NoiseFit | None = None) -> dict:
+           block: int = 4, noise: NoiseFit | None = None, scheme: str | None = None) -> dict:
     """Replay the run in `run_dir` in the simulator (its config, its costs and all-reduce A from the bench's
-    cost_model, its own jitter or `noise`): measured and simulated steady epoch time over the ideal."""
+    cost_model, its own jitter or `noise`): measured and simulated steady epoch time over the ideal. scheme: replay
+    the run under another scheme instead (a prediction from this run of what that scheme would measure)."""
     run_dir = Path(run_dir)
     cfg = json.loads((run_dir / "config.json").read_text())["config"]
     steps, epochs = pd.read_csv(run_dir / "steps.csv"), pd.read_csv(run_dir / "epochs.csv")
@@ -148,10 +149,10 @@ def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 16
     rest = float(np.median(steady.epoch_time_s.to_numpy() - modelled)) / n_steps
     kw = {k: cfg[k] for k in ("rebalance_every", "smoothing", "deadband", "min_batch", "sit_out") if k in cfg}
     bal = {k: cfg[k] for k in ("probe_steps", "windows_kept") if k in cfg}  # balancer knobs, when the config has them
-    sims = over_ideal(cfg["scheme"], int(cfg["global_batch"]), int(cfg["epochs"]), n_steps, cost_model,
+    sims = over_ideal(scheme or cfg["scheme"], int(cfg["global_batch"]), int(cfg["epochs"]), n_steps, cost_model,
                       _Replayed(fit, method, block), steady_from, seeds=seeds, rest_s=rest, balancer=bal, **kw)
     ideal_s = n_steps * (cost_model["ideal_step_s"] + cost_model["allreduce_s"])
-    return {"scheme": cfg["scheme"], "measured": float(np.median(steady.epoch_time_s)) / ideal_s,
+    return {"scheme": scheme or cfg["scheme"], "run_scheme": cfg["scheme"], "measured": float(np.median(steady.epoch_time_s)) / ideal_s,
             "simulated": float(sims.mean()), "simulated_sd": float(sims.std()), "rest_per_step_s": rest,
             "method": method, "noise": fit.summary()}
 

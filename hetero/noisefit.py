@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .partition import affine_batch_sizes, predicted_step_s
 from .simulator import Scenario, simulate
 
 
@@ -113,6 +114,14 @@ class _Replayed:
         return self.fit.sample(rng, steps, self.block)
 
 
+def ideal_costs(fixed_s, per_sample_s, global_batch: int, allreduce_s: float = 0.0) -> dict:
+    """A cost model as hetero.bench.cost_model gives one, for known per-rank costs (s): T* without any noise."""
+    fixed, per = np.asarray(fixed_s, float), np.asarray(per_sample_s, float)
+    best = affine_batch_sizes(fixed, per, global_batch)
+    return {"fixed_s": fixed.tolist(), "per_sample_s": per.tolist(), "allreduce_s": float(allreduce_s),
+            "ideal_sizes": best.tolist(), "ideal_step_s": predicted_step_s(fixed, per, best)}
+
+
 def over_ideal(scheme: str, global_batch: int, epochs: int, steps_per_epoch: int, cost_model: dict, noise,
                steady_from: int, *, seeds: int = 16, rest_s: float = 0.0, **kw) -> np.ndarray:
     """[seeds] simulated steady epoch time over the ideal, the bench's definitions: per seed, the median over
@@ -131,7 +140,7 @@ def over_ideal(scheme: str, global_batch: int, epochs: int, steps_per_epoch: int
     return np.array(out)
 
 
-def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 16, method: str = "bootstrap",
+def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 64, method: str = "bootstrap",
            block: int = 4, noise: NoiseFit | None = None, scheme: str | None = None) -> dict:
     """Replay the run in `run_dir` in the simulator (its config, its costs and all-reduce A from the bench's
     cost_model, its own jitter or `noise`): measured and simulated steady epoch time over the ideal. scheme: replay

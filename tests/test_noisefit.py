@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hetero.noisefit import fit_jitter, fit_steps, over_ideal, replay
-from hetero.partition import affine_batch_sizes, batch_sizes, predicted_step_s
+from hetero.noisefit import fit_jitter, fit_steps, ideal_costs, over_ideal, replay
+from hetero.partition import batch_sizes, predicted_step_s
 
 SIGMA, PHI, RHO = np.array([0.05, 0.10, 0.20]), 0.6, 0.5
 
@@ -85,14 +85,16 @@ def test_fit_rejects_empty_or_nonpositive_steps_and_takes_a_single_one():
 
 
 def cost_model(fixed, per, B, allreduce_s=0.004) -> dict:
-    """The bench's cost model dict for known per-rank costs."""
-    best = affine_batch_sizes(fixed, per, B)
-    return {"fixed_s": fixed, "per_sample_s": per, "allreduce_s": allreduce_s,
-            "ideal_step_s": predicted_step_s(fixed, per, best),
-            "sync_step_s": predicted_step_s(fixed, per, batch_sizes(np.ones(len(fixed)), B))}
+    """The bench's cost model dict for known per-rank costs, with the sync bound."""
+    m = ideal_costs(fixed, per, B, allreduce_s)
+    return {**m, "sync_step_s": predicted_step_s(fixed, per, batch_sizes(np.ones(len(fixed)), B))}
 
 
 STEADY_2X = cost_model(np.zeros(2), np.array([1e-3, 2e-3]), 255)  # T* splits 255 exactly 170 / 85
+
+
+def test_ideal_costs_is_the_optimal_integer_split():
+    assert STEADY_2X["ideal_sizes"] == [170, 85] and STEADY_2X["ideal_step_s"] == pytest.approx(0.17)
 
 
 def test_replay_without_noise_is_ideal_for_dp_and_the_sync_bound_for_sync():
@@ -126,7 +128,7 @@ def test_replay_of_a_recorded_run_folder(tmp_path):
     sizes = {1: [128, 127], 2: [170, 85], 3: [170, 85], 4: [170, 85]}
     rows, eps = [], []
     for e in range(1, epochs + 1):
-        comp = STEADY_2X["per_sample_s"] * sizes[e]
+        comp = np.asarray(STEADY_2X["per_sample_s"]) * sizes[e]
         for s in range(steps):
             for r in range(2):
                 rows.append({"epoch": e, "step": s, "rank": r, "batch_size": sizes[e][r], "compute_s": comp[r],

@@ -161,9 +161,9 @@ def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 64
     sims = over_ideal(scheme or cfg["scheme"], int(cfg["global_batch"]), int(cfg["epochs"]), n_steps, cost_model,
                       _Replayed(fit, method, block), steady_from, seeds=seeds, rest_s=rest, balancer=bal, **kw)
     ideal_s = n_steps * (cost_model["ideal_step_s"] + cost_model["allreduce_s"])
-    return {"scheme": scheme or cfg["scheme"], "run_scheme": cfg["scheme"], "measured": float(np.median(steady.epoch_time_s)) / ideal_s,
-            "simulated": float(sims.mean()), "simulated_sd": float(sims.std()), "rest_per_step_s": rest,
-            "method": method, "noise": fit.summary()}
+    return {"scheme": scheme or cfg["scheme"], "run_scheme": cfg["scheme"],
+            "measured": float(np.median(steady.epoch_time_s)) / ideal_s, "simulated": float(sims.mean()),
+            "simulated_sd": float(sims.std()), "rest_per_step_s": rest, "method": method, "noise": fit.summary()}
 
 
 def _nearest_corr(c: np.ndarray) -> np.ndarray:

@@ -44,8 +44,9 @@ def test_fit_from_a_steps_frame_divides_out_each_ranks_cost():
     rng = np.random.default_rng(1)
     batch = rng.integers(40, 120, jitter.shape)
     step = np.tile(np.arange(40), 50)
-    rows = pd.DataFrame({"epoch": np.repeat(epoch, 3), "step": np.repeat(step, 3), "rank": np.tile([0, 1, 2], len(epoch)),
-                         "batch_size": batch.ravel(), "compute_s": ((fixed + per * batch) * jitter).ravel()})
+    rows = pd.DataFrame({"epoch": np.repeat(epoch, 3), "step": np.repeat(step, 3),
+                         "rank": np.tile([0, 1, 2], len(epoch)), "batch_size": batch.ravel(),
+                         "compute_s": ((fixed + per * batch) * jitter).ravel()})
     fit = fit_steps(rows.sample(frac=1, random_state=0), fixed, per)
     check_recovered(fit)
     assert fit_steps(rows, fixed, per, steady_from=26).jitter.shape == (25 * 40, 3)

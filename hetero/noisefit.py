@@ -4,7 +4,7 @@ A rank's jitter at a step is its measured compute_s over its expected cost fixed
 cost model: hetero.bench.cost_model); the emulated slowdown multiplies the rank's own measured compute, so the slow
 rank's jitter is in its compute_s, scaled. Fitted per rank: the spread and skew of log jitter, its lag-1
 autocorrelation within an epoch, and the correlation across ranks at one step (ranks sharing a core). The replay
-draws the jitter by a moving-block bootstrap of whole steps (every rank at once), so the tail, the time correlation
+draws the jitter by a circular block bootstrap of whole steps (every rank at once), so the tail, the time correlation
 within a block and the cross-rank correlation are the run's own; `NoiseFit.ar1` is the parametric alternative
 (correlated Gaussian AR(1) on log jitter: no skew). README: "Replaying a bench run".
 """
@@ -35,20 +35,24 @@ class NoiseFit:
     def world(self) -> int:
         return self.jitter.shape[1]
 
-    def sample(self, rng: np.random.Generator, steps: int, block: int = 4) -> np.ndarray:
-        """[steps, n] jitter by a moving-block bootstrap: blocks of `block` consecutive steps of one epoch, every
-        rank from the same step, so the tail, short-range time correlation and cross-rank correlation are kept."""
+    def sample(self, rng: np.random.Generator, steps: int, block: int = 4, epoch_steps: int = 0) -> np.ndarray:
+        """[steps, n] jitter by a circular block bootstrap within epochs: blocks of `block` consecutive steps of one
+        epoch (wrapping at its end, so every step is drawn as often), every rank from the same step: the tail, the
+        short-range time correlation and the cross-rank correlation are kept. epoch_steps > 0: each run of that
+        many steps draws its blocks from one measured epoch, picked at random, so the host's load drifting from
+        epoch to epoch is kept too (and a median over epochs sees it as the bench's does)."""
         starts = np.flatnonzero(np.r_[True, self.epoch[1:] != self.epoch[:-1]])
-        ends = np.r_[starts[1:], len(self.epoch)]
-        # block starts whose whole block lies inside one epoch (epochs shorter than `block` give whole epochs)
-        ok = np.concatenate([np.arange(s, max(s + 1, e - block + 1)) for s, e in zip(starts, ends)])
-        stop = np.concatenate([np.full(max(1, e - s - block + 1), e) for s, e in zip(starts, ends)])
+        lengths = np.diff(np.r_[starts, len(self.epoch)])
         out, t = [], 0
         while t < steps:
-            k = rng.integers(len(ok))
-            rows = self.jitter[ok[k]:min(ok[k] + block, stop[k])]
-            out.append(rows)
-            t += len(rows)
+            e = rng.integers(len(starts))
+            left = min(epoch_steps or steps - t, steps - t)
+            while left > 0:
+                if not epoch_steps:
+                    e = rng.integers(len(starts))
+                take = min(block, left)
+                out.append(self.jitter[starts[e] + (rng.integers(lengths[e]) + np.arange(take)) % lengths[e]])
+                t, left = t + take, left - take
         return np.concatenate(out)[:steps]
 
     def ar1(self, rng: np.random.Generator, steps: int) -> np.ndarray:
@@ -64,9 +68,11 @@ class NoiseFit:
         return np.exp(self.sigma * z - self.sigma ** 2 / 2)
 
     def summary(self) -> dict:
-        """The fitted parameters as plain lists (for bench.json)."""
+        """The fitted parameters as plain lists (for bench.json); epoch_drift: the largest std over ranks of a
+        rank's mean jitter per epoch (the host's load changing between epochs)."""
         off = self.corr[~np.eye(self.world, dtype=bool)]
-        return {"sigma": self.sigma.round(4).tolist(), "skew": self.skew.round(3).tolist(),
+        per_epoch = pd.DataFrame(self.jitter).groupby(self.epoch).mean()
+        return {"epoch_drift": float(per_epoch.std(ddof=0).max()) if len(per_epoch) > 1 else 0.0,"sigma": self.sigma.round(4).tolist(), "skew": self.skew.round(3).tolist(),
                 "phi": self.phi.round(3).tolist(), "corr": self.corr.round(3).tolist(),
                 "mean_cross_corr": float(off.mean()) if off.size else 0.0, "steps": int(len(self.epoch))}
 
@@ -104,14 +110,15 @@ def fit_steps(steps: pd.DataFrame, fixed_s, per_sample_s, steady_from: int = 1) 
 
 
 class _Replayed:
-    """A noise process for the simulator: a NoiseFit sampled by block bootstrap or by its AR(1) fit."""
-    def __init__(self, fit: NoiseFit, method: str, block: int):
-        self.fit, self.method, self.block = fit, method, block
+    """A noise process for the simulator: a NoiseFit sampled by block bootstrap (each simulated epoch from one
+    measured epoch) or by its AR(1) fit."""
+    def __init__(self, fit: NoiseFit, method: str, block: int, epoch_steps: int):
+        self.fit, self.method, self.block, self.epoch_steps = fit, method, block, epoch_steps
 
     def sample(self, rng: np.random.Generator, steps: int) -> np.ndarray:
         if self.method == "ar1":
             return self.fit.ar1(rng, steps)
-        return self.fit.sample(rng, steps, self.block)
+        return self.fit.sample(rng, steps, self.block, self.epoch_steps)
 
 
 def ideal_costs(fixed_s, per_sample_s, global_batch: int, allreduce_s: float = 0.0) -> dict:
@@ -159,7 +166,7 @@ def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 64
     kw = {k: cfg[k] for k in ("rebalance_every", "smoothing", "deadband", "min_batch", "sit_out") if k in cfg}
     bal = {k: cfg[k] for k in ("probe_steps", "windows_kept") if k in cfg}  # balancer knobs, when the config has them
     sims = over_ideal(scheme or cfg["scheme"], int(cfg["global_batch"]), int(cfg["epochs"]), n_steps, cost_model,
-                      _Replayed(fit, method, block), steady_from, seeds=seeds, rest_s=rest, balancer=bal, **kw)
+                      _Replayed(fit, method, block, n_steps), steady_from, seeds=seeds, rest_s=rest, balancer=bal, **kw)
     ideal_s = n_steps * (cost_model["ideal_step_s"] + cost_model["allreduce_s"])
     return {"scheme": scheme or cfg["scheme"], "run_scheme": cfg["scheme"],
             "measured": float(np.median(steady.epoch_time_s)) / ideal_s, "simulated": float(sims.mean()),

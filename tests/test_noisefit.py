@@ -74,6 +74,10 @@ def test_bootstrap_draws_keep_cross_rank_correlation_and_never_join_two_epochs()
     marked = fit_jitter(np.repeat(np.arange(1.0, 21.0), 6)[:, None] * [1, 1], np.repeat(np.arange(20), 6))
     blocks = marked.sample(np.random.default_rng(5), 400, block=4)[:, 0].reshape(-1, 4)
     assert (blocks == blocks[:, :1]).all()
+    # epoch_steps: every simulated epoch of 10 steps draws from one measured epoch (the load of that epoch), and
+    # the epochs drawn differ
+    epochs = marked.sample(np.random.default_rng(6), 400, block=4, epoch_steps=10)[:, 0].reshape(-1, 10)
+    assert (epochs == epochs[:, :1]).all() and len(np.unique(epochs[:, 0])) > 10
 
 
 def test_fit_rejects_empty_or_nonpositive_steps_and_takes_a_single_one():

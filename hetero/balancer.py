@@ -47,6 +47,7 @@ class Balancer:
     _pending: list = field(default_factory=list, repr=False)   # [N_STATS, world] per window since the decision
     _windows: np.ndarray = field(default=None, repr=False)     # [k, N_STATS, world] the kept windows
     _probe_sizes: tuple = field(default=None, repr=False)
+    _held: list = field(default_factory=list, repr=False)    # proportional: windows since the sizes last changed
 
     def __post_init__(self):
         if self.rule not in ("static", "proportional", "affine"):
@@ -91,8 +92,11 @@ class Balancer:
         if self.rule == "static" or not self._pending:
             self._pending.clear()
             return False
-        new = np.sum(self._pending, axis=0)
+        window = np.sum(self._pending, axis=0)
         self._pending.clear()
+        # the proportional rule decides from the windows since the sizes last changed (at most windows_kept), so a
+        # difference held back as noise is measured again on more steps; affine's fit keeps windows of its own
+        new = np.sum([*self._held, window], axis=0) if self.rule == "proportional" else window
         if self.rule == "proportional":
             fixed, per = np.zeros(self.world), new[2] / np.maximum(new[1], 1)
             new_shares = proportional_shares(new[1], new[2])
@@ -108,7 +112,10 @@ class Balancer:
         self._probe_sizes = None
         now, after = predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, new_sizes)
         if now - after <= max(self.deadband * now, self.significance * noise_s(new)):
+            if self.rule == "proportional" and self.windows_kept > 1:
+                self._held = [*self._held, window][-(self.windows_kept - 1):]
             return False  # too small a gain to be worth a change, or one the noise alone could show
+        self._held = []
         changed = not np.array_equal(new_sizes, self.sizes)
         self.shares, self.sizes = np.asarray(new_shares, float), np.asarray(new_sizes, np.int64)
         return changed
@@ -150,7 +157,8 @@ class Balancer:
         tolist = lambda v: None if v is None else np.asarray(v).tolist()  # noqa: E731
         return {"shares": tolist(self.shares), "sizes": tolist(self.sizes), "fixed_s": tolist(self.fixed_s),
                 "per_sample_s": tolist(self.per_sample_s), "decisions": self.decisions,
-                "pending": [p.tolist() for p in self._pending], "windows": self._windows.tolist()}
+                "pending": [p.tolist() for p in self._pending], "windows": self._windows.tolist(),
+                "held": [h.tolist() for h in self._held]}
 
     def load_state_dict(self, d: dict) -> None:
         self.shares, self.sizes = np.asarray(d["shares"], float), np.asarray(d["sizes"], np.int64)
@@ -158,6 +166,7 @@ class Balancer:
         self.per_sample_s = None if d["per_sample_s"] is None else np.asarray(d["per_sample_s"], float)
         self.decisions = int(d["decisions"])
         self._pending = [np.asarray(p, float) for p in d.get("pending", [])]
+        self._held = [np.asarray(h, float) for h in d.get("held", [])]
         w = np.asarray(d.get("windows", []), float)
         self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
         self._probe_sizes = None

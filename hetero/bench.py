@@ -80,6 +80,11 @@ def checks(res: dict) -> list[dict]:
         worst = max(sy, key=lambda v: abs(v - 1))
         out.append({"target": "sync epoch time within 10% of the slowest-rank bound", "value": worst,
                     "pass": abs(worst - 1) <= 0.10})
+    if sim := [r for r in summ if r.get("simulated") is not None]:
+        worst = max(sim, key=lambda r: abs(r["simulated"] - r["over_ideal"]))
+        out.append({"target": "simulated epoch / ideal within 0.03 of the measured, every row (worst difference)",
+                    "value": worst["simulated"] - worst["over_ideal"],
+                    "pass": abs(worst["simulated"] - worst["over_ideal"]) <= 0.03})
     if cmp := res.get("affine_vs_dp"):
         worst = max(cmp, key=lambda r: r["affine"] - r["dp"] - r["dp_spread"])
         out.append({"target": "affine <= dp + dp's run-to-run spread, every row (worst margin)",
@@ -98,6 +103,12 @@ def checks(res: dict) -> list[dict]:
     return out
 
 
+def _simulated(row: dict) -> str:
+    """The replays' epoch / ideal (median over the repeats of each run's mean over seeds) and the seeds' spread
+    ("" for a row without a replay)."""
+    return f"{row['simulated']:.3f} ± {row['simulated_sd']:.3f}" if row.get("simulated") is not None else ""
+
+
 def table(res: dict) -> str:
     """The markdown report of one benchmark run."""
     m = res["meta"]
@@ -108,11 +119,11 @@ def table(res: dict) -> str:
         lines += [f"## Balance efficiency (steady-state epoch time over ideal = steps x (T* + all-reduce); median of "
                   f"{n} run{'s' * (n > 1)}, [min-max])", ""]
         lines += markdown_table(
-            ["ranks", "B", "last rank", "scheme", "/ ideal", "/ sync bound", "speedup vs sync", "predicted", "jitter",
+            ["ranks", "B", "last rank", "scheme", "/ ideal", "simulated", "/ sync bound", "speedup vs sync", "predicted", "jitter",
              "misallocation", "size changes", "shares"],
             [[r["world"], r["global_batch"], r["effect"], r["scheme"],
               f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
-              f"{r['over_sync_bound']:.3f}", "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
+              _simulated(r), f"{r['over_sync_bound']:.3f}", "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
               f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", f"{r['misallocation']:.3f}",
               f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])]
              for r in summ])

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import noisefit
 from .launch import clean_env, torchrun_cmd
 from .measure import add_speedup_vs_sync, launch, steady_epochs
 from .partition import affine_batch_sizes, batch_sizes, predicted_step_s
@@ -119,6 +120,7 @@ def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str,
     n = int(steady[0]["steps"])
     ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])
     epoch_s = float(np.median([float(r["epoch_time_s"]) for r in steady]))
+    sim = noisefit.replay(d, m, suite.steady_from)  # the run replayed in the simulator with its own jitter
     return {"world": world, "kind": kind, "effect": label, "hetero": hetero, "scheme": scheme, "repeat": repeat,
             "affinity": affinity(world, suite.pin), "global_batch": suite.global_batch(world), "steps": n,
             "epoch_s": epoch_s, "ideal_s": ideal_s, "over_ideal": epoch_s / ideal_s, "sync_bound_s": bound_s,
@@ -127,7 +129,7 @@ def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str,
             "size_changes": m["size_changes"],
             "balance_eff": float(np.mean([float(r["balance_eff"]) for r in steady])),
             "shares": ranks[ranks.epoch == ranks.epoch.max()].share.round(3).tolist(), "cost_model": m,
-            "run_dir": str(d)}
+            "simulated": sim["simulated"], "replay": sim, "run_dir": str(d)}
 
 
 def balance(suite: "Suite", out: Path, calib: tuple[float, float], notes: list[str]) -> list[dict]:
@@ -159,7 +161,9 @@ def summary(rows: list[dict]) -> list[dict]:
                     "max": max(ratios), "over_sync_bound": med("over_sync_bound"),
                     "speedup_vs_sync": med("speedup_vs_sync"), "predicted_speedup": med("predicted_speedup"),
                     "jitter": med("jitter"), "misallocation": med("misallocation"),
-                    "size_changes": med("size_changes"), "shares": rs[-1]["shares"], "affinity": rs[0]["affinity"]})
+                    "size_changes": med("size_changes"), "simulated": med("simulated"),
+                    "simulated_sd": float(np.median([r["replay"]["simulated_sd"] for r in rs if r.get("replay")] or [0])),
+                    "shares": rs[-1]["shares"], "affinity": rs[0]["affinity"]})
     return out
 
 

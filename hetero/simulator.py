@@ -32,15 +32,17 @@ class Scenario:
     """Simulated workers: per-rank costs, noise, and emulator effects (with their schedules)."""
     fixed_s: np.ndarray                  # [n] fixed cost per step (s)
     per_sample_s: np.ndarray             # [n] cost per sample (s)
-    noise: float | np.ndarray = 0.0      # relative std of the lognormal noise on each rank's compute time
+    noise: float | np.ndarray | object = 0.0  # relative std of lognormal noise on each rank's compute time, or a
+    # process with .sample(rng, steps) -> [steps, n] (mean 1), drawn once per run (noisefit: a real run's jitter)
     hetero: str = ""                     # emulator effects, the --hetero grammar, e.g. "1:delay=0.01@3-"
     name: str = ""
 
     def __post_init__(self):
         self.fixed_s = np.asarray(self.fixed_s, float)
         self.per_sample_s = np.broadcast_to(np.asarray(self.per_sample_s, float), self.fixed_s.shape).copy()
-        self.noise = np.broadcast_to(np.asarray(self.noise, float), self.fixed_s.shape).copy()
-        if np.any(self.fixed_s < 0) or np.any(self.per_sample_s <= 0) or np.any(self.noise < 0):
+        if not hasattr(self.noise, "sample"):
+            self.noise = np.broadcast_to(np.asarray(self.noise, float), self.fixed_s.shape).copy()
+        if np.any(self.fixed_s < 0) or np.any(self.per_sample_s <= 0) or np.any(np.asarray(self.sigma) < 0):
             raise ValueError("need fixed_s >= 0, per_sample_s > 0 and noise >= 0 on every rank")
         pairs = [(r, e) for r, es in sorted(parse_hetero(self.hetero).items()) for e in es]
         self.ranks, self.effects = [r for r, _ in pairs], [e for _, e in pairs]
@@ -50,6 +52,11 @@ class Scenario:
     @property
     def world(self) -> int:
         return len(self.fixed_s)
+
+    @property
+    def sigma(self) -> np.ndarray:
+        """[n] the lognormal noise's relative std (0 where the noise is a process, drawn apart)."""
+        return np.zeros(self.world) if hasattr(self.noise, "sample") else self.noise
 
     @classmethod
     def uniform(cls, n: int, cost: str = "vgg16-paper", **kw) -> "Scenario":
@@ -75,7 +82,7 @@ class Scenario:
     def draw(self, rng: np.random.Generator, on: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For a block of steps, [steps, n] each: the noise on compute (mean 1), the factor on compute (1 + the
         slowdowns) and the delay (s); on: [effects, steps], the emulator's windows."""
-        steps, sigma = on.shape[1], self.noise
+        steps, sigma = on.shape[1], self.sigma
         noise = np.exp(sigma * rng.standard_normal((steps, self.world)) - sigma ** 2 / 2) if sigma.any() \
             else np.ones((steps, self.world))
         factor, _ = mean_effects(self.effects)
@@ -150,14 +157,17 @@ class SimResult:
 
 def simulate(scenario: Scenario, scheme: str, global_batch: int, epochs: int, steps_per_epoch: int, *,
              min_batch=1, max_batch=None, smoothing: float = 0.0, deadband: float = 0.0, significance: float = 1.0,
-             rebalance_every: int = 0, sit_out: bool = False, seed: int = 0) -> SimResult:
-    """Run one scheme for epochs x steps_per_epoch steps; the same seed gives every scheme the same draws."""
+             rebalance_every: int = 0, sit_out: bool = False, seed: int = 0, balancer: dict | None = None) -> SimResult:
+    """Run one scheme for epochs x steps_per_epoch steps; the same seed gives every scheme the same draws.
+    balancer: further Balancer settings (e.g. probe_steps)."""
     n = scenario.world
     bal = Balancer(SCHEMES[scheme].rule, n, global_batch, min_batch, max_batch, smoothing, deadband, significance,
-                   sit_out=sit_out)
+                   sit_out=sit_out, **(balancer or {}))
     rng = np.random.default_rng(seed)
     oracle: dict[bytes, np.ndarray] = {}
     S = epochs * steps_per_epoch
+    # a noise process is drawn for the whole run at once: its time correlation runs across decisions
+    process = scenario.noise.sample(np.random.default_rng((seed, 1)), S) if hasattr(scenario.noise, "sample") else None
     res = SimResult(scheme, global_batch, steps_per_epoch, np.repeat(np.arange(1, epochs + 1), steps_per_epoch),
                     np.zeros(S), np.zeros(S), np.zeros(S), np.zeros((S, n), np.int32))
     cuts = [s for s in range(rebalance_every, steps_per_epoch, rebalance_every)] if rebalance_every else []
@@ -168,6 +178,8 @@ def simulate(scenario: Scenario, scheme: str, global_batch: int, epochs: int, st
             active = emulator_windows(scenario.effects, epoch, g)
             sizes = np.stack([bal.sizes_for_step(s) for s in range(lo, hi)])
             noise, slow, delay = scenario.draw(rng, active)
+            if process is not None:
+                noise = process[g]
             t = step_times(scenario.fixed_s, scenario.per_sample_s, sizes) * noise * slow + delay * (sizes > 0)
             res.sizes[g], res.step_s[g] = sizes, t.max(1)
             res.idle_frac[g] = 1 - t.mean(1) / res.step_s[g]

@@ -163,7 +163,7 @@ def test_significance_ignores_gains_the_noise_could_show_and_takes_real_ones(rul
         for _ in range(20):
             bal.observe([[128, 128]] * 16, 0.06 * np.exp(0.05 * rng.standard_normal((16, 2))))
             changes[z] += bal.decide()
-    assert changes[1.0] <= 5 and changes[0.0] >= 15, changes  # seeded: the same draws every run
+    assert changes[1.0] <= 5 and changes[0.0] >= 12, changes  # seeded: the same draws every run
     slow = Balancer(rule, 2, 256, probe_steps=0)
     slow.observe([[128, 128]] * 16, [0.06, 0.12] * np.exp(0.05 * rng.standard_normal((16, 2))))
     assert slow.decide() and slow.sizes[1] < 100
@@ -172,6 +172,24 @@ def test_significance_ignores_gains_the_noise_could_show_and_takes_real_ones(rul
     assert exact.decide() and exact.sizes[1] < 128
     with pytest.raises(ValueError, match="significance"):
         Balancer(rule, 2, 256, significance=-1)
+
+
+def test_proportional_measures_a_held_difference_again_on_more_steps():
+    """4-step windows, 40% jitter, a rank 1.5x slower: one window cannot tell it from noise, but the windows since
+    the last change are pooled (at most windows_kept), so the difference is taken at the next decision; the
+    held windows survive a checkpoint."""
+    rng = np.random.default_rng(1)
+    bal, decided = Balancer("proportional", 2, 256), []
+    for k in range(6):
+        bal.observe([bal.sizes] * 4, bal.sizes * [2e-4, 3e-4] * np.exp(0.4 * rng.standard_normal((4, 2))))
+        if k == 0:
+            assert not bal.decide() and len(bal._held) == 1  # held as noise
+            twin = Balancer("proportional", 2, 256)
+            twin.load_state_dict(bal.state_dict())
+            assert [h.tolist() for h in twin._held] == [h.tolist() for h in bal._held]
+            continue
+        decided.append(bal.decide())
+    assert decided[0] and bal.sizes[1] < 128  # taken at the next decision, on the 8 steps pooled
 
 
 def test_sit_out_balancer_gives_a_hopeless_rank_nothing_and_keeps_its_estimate():

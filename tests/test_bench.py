@@ -45,6 +45,9 @@ def test_bench_quickest(tmp_path):
     assert m["scale"][1] > m["scale"][0] and m["ideal_sizes"][1] < m["ideal_sizes"][0]
     assert m["ideal_step_s"] < m["sync_step_s"] and sum(m["ideal_sizes"]) == 64
     assert r["predicted_speedup"] > 1.1  # an 8x slower rank: balancing must be predicted to pay
+    rep = r["replay"]  # the run replayed in the simulator with its own jitter: same measured figure, a finite guess
+    assert rep["measured"] == pytest.approx(r["over_ideal"]) and math.isfinite(r["simulated"]) and r["simulated"] > 0.9
+    assert len(rep["noise"]["sigma"]) == 2 and "simulated" in (out / "table.md").read_text()
 
     ov = res["overhead"]
     assert math.isfinite(ov["ratio"]) and ov["ratio"] > 0 and len(ov["pair_ratios"]) == len(ov["step_s"]["plain"]) == 1

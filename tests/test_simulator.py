@@ -131,8 +131,9 @@ def test_balancers_notebook_runs(tmp_path, monkeypatch):
                         parameters=dict(epochs=3, steps_per_epoch=30, many=32), progress_bar=False)
     nb = nbformat.read(out, as_version=4)
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 5  # each once (plots.show closes what it displayed), each with alternative text
-    assert all(o.metadata["image/png"]["alt"].startswith(("Step time", "Mean step time")) for o in images)
+    assert len(images) == 6  # each once (plots.show closes what it displayed), each with alternative text
+    assert all(o.metadata["image/png"]["alt"].startswith(("Step time", "Mean step time", "Steady epoch time"))
+               for o in images)
 
 
 def test_the_simulator_and_the_trainer_share_one_emulator():

@@ -9,6 +9,9 @@
             with bal.step():
                 F.cross_entropy(ddp(x), y).backward(); opt.step(); opt.zero_grad()
 
+With `micro_batch=m` the sampler yields micro-batches of m, k_i per rank and step: `with bal.step(ddp):` runs all
+but the step's last under ddp.no_sync(), and the loop steps the optimizer where `bal.sync_now` (README).
+
 One object, the Balance, owns a step's gradient weight, clock and emulated delay; it is the state of the DDP
 communication hook. Decisions (every `rebalance_every` steps and at each epoch's end) take effect at a step that
 no rank's batch sampler has handed out yet, so DataLoader workers running ahead never see two partitions of one
@@ -21,7 +24,6 @@ from __future__ import annotations
 import copy
 import threading
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -34,31 +36,10 @@ from .emulator import Emulator
 from .hook import balance_hook, spend_delay
 from .memory import probe_max_batch
 from .partition import SCHEMES, batch_sizes, check_feasible
+from .records import Decision, StepRecord
 from .sampler import BalancedBatchSampler
 
 FAR = -(1 << 62)  # the start of the first regime: before any step
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One finished step on this rank: every rank's batch sizes and this rank's own times (s)."""
-    epoch: int
-    step: int
-    sizes: np.ndarray    # [world] batch sizes of the step (sum = global batch)
-    compute_s: float     # own work: start to gradients ready, plus backward's return to the step's end
-    wait_s: float        # the last all-reduce, including waiting for slower ranks
-    delay_s: float       # the emulated extra time spent in this step (part of compute_s)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One rebalancing decision, identical on every rank; sizes sum to the global batch."""
-    epoch: int           # made after this epoch's step `step`
-    step: int
-    effective: int       # first position (epoch * steps_per_epoch + step) cut with the new sizes
-    sizes: list[int]     # per-rank batch sizes from `effective` on
-    shares: list[float]  # the balancer's shares (sum to 1)
-    compute_s: list[float]  # per-rank mean compute seconds per step over the window decided on
 
 
 class Balance:
@@ -210,12 +191,10 @@ class Balance:
         if m and (b % m or not b):
             raise RuntimeError(f"hetero: step {self._step} gives rank {self.rank} {b} samples, not whole micro-batches "
                                f"of {m} (a replay recorded with another micro_batch?)")
-        # k micro-batches, each a mean over m: weight m/B makes the accumulated sum the global-batch mean gradient
-        self._micro_left = b // m if m else 1
-        self._weight = b / self.global_batch if self.scheme.weighted else 1.0 / self.size
-        if m:
-            self._weight = m / self.global_batch if self.scheme.weighted else 1.0 / (self.size * self._micro_left)
-        self._expected = self._micro_left
+        # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
+        self._micro_left = self._expected = b // m if m else 1
+        unit = m or b
+        self._weight = unit / self.global_batch if self.scheme.weighted else 1.0 / (self.size * self._micro_left)
         self._syncs = self._forwards = 0
         self._in_flight, self._all_issued, self._delay = 0, False, 0.0
         self._clock = StepClock(self._device)
@@ -232,14 +211,10 @@ class Balance:
         self._clock.mark("end")
         clock, self._clock = self._clock, None
         if self._attached and (self._syncs != 1 or self._forwards > self._expected):
-            if self.micro_batch:
-                raise RuntimeError(f"hetero: a step ran {self._forwards} forward(s) and {self._syncs} gradient "
-                                   f"all-reduce(s); with micro_batch this rank needs {self._expected} and 1: run "
-                                   f"each micro-batch in `with bal.step(ddp):`")
+            hint = ("run each micro-batch in `with bal.step(ddp):`" if self.micro_batch else "gradient accumulation "
+                    "(no_sync) is not supported: raise global_batch (max_batch bounds each rank's batch) or set micro_batch")
             raise RuntimeError(f"hetero: a step ran {self._forwards} forward(s) and {self._syncs} gradient "
-                               "all-reduce(s); it needs one of each: gradient accumulation (no_sync) is not "
-                               "supported, raise global_batch instead (max_batch bounds each rank's batch), "
-                               "or set micro_batch")
+                               f"all-reduce(s); this rank needs {self._expected} and 1: {hint}")
         self._unread.append((self._step, self._sizes, clock, self._delay))
         self._planned = {p: s for p, s in self._planned.items() if p > self._pos}
         step, self._step, self.global_step = self._step, self._step + 1, self.global_step + 1

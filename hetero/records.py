@@ -12,7 +12,7 @@ class StepRecord:
     epoch: int
     step: int
     sizes: np.ndarray    # [world] batch sizes of the step (sum = global batch)
-    compute_s: float     # own work: start to gradients ready, plus backward's return to the step's end; all k_i micro-batches
+    compute_s: float     # own work (all k_i micro-batches): start to gradients ready, plus backward's return to the end
     wait_s: float        # the last all-reduce, including waiting for slower ranks
     delay_s: float       # the emulated extra time spent in this step (part of compute_s)
 

@@ -93,7 +93,7 @@ class Balance:
         self._sizes = self.balancer.sizes
         self._started: int | None = None  # the epoch set_epoch last started
         self._attached = self._probed = False
-        self._micro_left, self._expected, self.sync_now = 1, 1, True  # micro-batches left in the step; the current one syncs
+        self._micro_left, self._expected, self.sync_now = 1, 1, True  # micro-batches left; the current one syncs
         self._syncs = self._forwards = 0
         self._in_flight, self._all_issued, self._lock = 0, False, threading.Lock()
 
@@ -211,8 +211,9 @@ class Balance:
         self._clock.mark("end")
         clock, self._clock = self._clock, None
         if self._attached and (self._syncs != 1 or self._forwards > self._expected):
-            hint = ("run each micro-batch in `with bal.step(ddp):`" if self.micro_batch else "gradient accumulation "
-                    "(no_sync) is not supported: raise global_batch (max_batch bounds each rank's batch) or set micro_batch")
+            hint = ("run each micro-batch in `with bal.step(ddp):`" if self.micro_batch else "gradient "
+                    "accumulation (no_sync) is not supported: raise global_batch (max_batch bounds each rank's "
+                    "batch) or set micro_batch")
             raise RuntimeError(f"hetero: a step ran {self._forwards} forward(s) and {self._syncs} gradient "
                                f"all-reduce(s); this rank needs {self._expected} and 1: {hint}")
         self._unread.append((self._step, self._sizes, clock, self._delay))

@@ -56,8 +56,8 @@ class Config:
     epochs: int = _opt(150, "training epochs")
     global_batch: int = _opt(256, "samples per step over all ranks (B)")
     min_batch: int = _opt(1, "smallest per-rank batch any scheme may assign")
-    micro_batch: int = _opt(0, "fixed per-rank micro-batch m: balance the micro-batches per rank and step, "
-                               "accumulated under no_sync (0: balance per-rank batch sizes)")
+    micro_batch: int = _opt(0, "fixed micro batch m on every rank: balance how many each rank runs per step, "
+                               "accumulated under no_sync (0: balance batch sizes)")
     sit_out: bool = _opt(False, "affine: a rank whose fixed cost alone exceeds the balanced step sits out")
     max_batch: str = _opt("0", 'largest batch per rank (0: no limit; probe: find it on a GPU); or per rank "256,64"')
     lr: float = _opt(0.1, "SGD learning rate (Nesterov momentum, cosine schedule over the epochs)")

@@ -19,15 +19,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import hetero
-from hetero import analysis
 from hetero.balancer import Balancer
 from hetero.config import Config, ConfigError
 from hetero.launch import free_port
 from hetero.partition import affine_batch_sizes, batch_sizes, check_feasible, predicted_step_s
 from hetero.sampler import EpochPlan
-from hetero.simulator import Scenario, simulate
 
-from conftest import TINY, read_run, run_train
+# pandas-based modules (analysis, simulator, conftest's run readers) are imported in the tests that use them: every
+# spawned rank imports this module, and on a loaded 2-core machine pandas adds seconds to each
 
 
 # -- pure: the granularity of the partition maths ----------------------------------------------------------------
@@ -100,6 +99,8 @@ def test_config_refuses_a_global_batch_the_micro_batch_does_not_divide():
 
 
 def test_the_simulator_moves_counts_to_the_fast_rank():
+    from hetero.simulator import Scenario, simulate
+
     r = simulate(Scenario.uniform(2, hetero="1:slowdown=3"), "edp", 64, 3, 20, micro_batch=8)
     assert np.all(r.sizes % 8 == 0) and np.all(r.sizes.sum(1) == 64)
     assert r.sizes[0].tolist() == [32, 32] and r.sizes[-1, 0] > 3 * r.sizes[-1, 1] - 8
@@ -266,6 +267,9 @@ def test_every_sample_once_per_epoch_while_counts_change_mid_epoch(tmp_path):
 
 # -- the built-in trainer (torchrun, 2 CPU ranks) ----------------------------------------------------------------
 def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
+    from conftest import TINY, read_run, run_train
+    from hetero import analysis
+
     run = tmp_path / "run"
     run_train([*TINY, "--subset", "1024", "--global-batch", "64", "--micro-batch", "8", "--scheme", "edp",
                "--hetero", "1:slowdown=3", "--rebalance-every", "4", "--run-dir", str(run)], nproc=2)

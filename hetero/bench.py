@@ -39,6 +39,7 @@ class Suite:
     overhead_epochs: int = 12                   # trainer and plain epochs per launch, in turn; the first warm up
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
+    micro_batch: int = 0                        # the trainer's --micro-batch (0: per-rank batch sizes)
     parts: tuple[str, ...] = PARTS
 
     def global_batch(self, world: int) -> int:
@@ -56,6 +57,8 @@ class Suite:
             raise ValueError("need worlds of at least 2 ranks and slowdowns of at least 1")
         if bad := [s for s in self.schemes if s not in SCHEMES]:
             raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
+        if self.micro_batch < 0 or (self.micro_batch and self.batch_per_rank % self.micro_batch):
+            raise ValueError("need micro_batch >= 0 dividing batch_per_rank")
         if bad := [p for p in self.parts if p not in PARTS]:
             raise ValueError(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
 
@@ -79,8 +82,8 @@ def train(suite: Suite, out: Path, name: str, world: int, scheme: str, hetero: s
         "--model", "tiny", "--data", "synthetic", "--subset", str(suite.subset(world)), "--test-subset", "256",
         "--global-batch", str(suite.global_batch(world)), "--epochs", str(suite.epochs), "--scheme", scheme,
         "--hetero", hetero, "--threads", "1", "--affinity", affinity(world, suite.pin), "--augment", "false",
-        "--run-dir", str(run_dir)]), out / "logs" / f"{name}.log", 900, clean_env(threads="1"),
-        done=run_dir / "summary.json", notes=notes)
+        "--micro-batch", str(suite.micro_batch), "--run-dir", str(run_dir)]), out / "logs" / f"{name}.log", 900,
+        clean_env(threads="1"), done=run_dir / "summary.json", notes=notes)
     return run_dir
 
 
@@ -114,17 +117,21 @@ def calibrate(global_batch: int, rounds: int = 10) -> tuple[float, float]:
     return max(float(fixed), 0.0), float(per)
 
 
-def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int) -> dict:
+def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int, micro_batch: int = 0) -> dict:
     """One run's cost model from its steps.csv (steady-state steps): rank i costs s_i x (a + c x b) seconds, the ideal
-    and equal-share step times, the all-reduce time and the jitter (README: benchmarks)."""
+    and equal-share step times, the all-reduce time and the jitter (README: benchmarks). With micro-batches of m a
+    rank runs b/m of them, each a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches."""
     a, c = calib
+    m = max(micro_batch, 1)
+    if micro_batch:
+        a, c = 0.0, c + a / m
     world = steps["rank"].nunique()
     steady = steps[steps.epoch >= steady_from]
     by_rank, per_step = steady.groupby("rank"), steady.groupby(["epoch", "step"])
     scale = (by_rank.compute_s.sum() / by_rank.batch_size.apply(lambda b: (a + c * b).sum())).to_numpy()
     fixed, per = scale * a, scale * c
-    best = affine_batch_sizes(fixed, per, global_batch)
-    equal = batch_sizes(np.ones(world), global_batch)
+    best = affine_batch_sizes(fixed, per, global_batch, granularity=m)
+    equal = batch_sizes(np.ones(world), global_batch, granularity=m)
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
             "ideal_sizes": best.tolist(), "ideal_step_s": predicted_step_s(fixed, per, best),
             "sync_step_s": predicted_step_s(fixed, per, equal),
@@ -142,17 +149,18 @@ def balance(suite: Suite, out: Path, calib: tuple[float, float], notes: list[str
         for slow in suite.slowdowns:
             found = []
             for scheme in suite.schemes:
-                name = f"balance-w{world}-x{slow:g}-{scheme}"
+                name = f"balance-w{world}-x{slow:g}-{scheme}" + (f"-m{suite.micro_batch}" if suite.micro_batch else "")
                 print(f"bench: {name}", flush=True)
                 d = train(suite, out, name, world, scheme, f"{world - 1}:slowdown={slow:g}", notes)
                 ranks, steps = (pd.read_csv(d / f"{t}.csv") for t in ("ranks", "steps"))
-                m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from)
+                m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, suite.micro_batch)
                 steady = steady_epochs(d, suite.steady_from)
                 n = int(steady[0]["steps"])
                 ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])
                 epoch_s = float(np.median([float(r["epoch_time_s"]) for r in steady]))
                 found.append({"world": world, "slowdown": slow, "scheme": scheme, "affinity": affinity(world, suite.pin),
-                              "global_batch": suite.global_batch(world), "steps": n, "epoch_s": epoch_s,
+                              "global_batch": suite.global_batch(world), "micro_batch": suite.micro_batch,
+                              "steps": n, "epoch_s": epoch_s,
                               "ideal_s": ideal_s, "over_ideal": epoch_s / ideal_s, "sync_bound_s": bound_s,
                               "over_sync_bound": epoch_s / bound_s, "predicted_speedup": bound_s / ideal_s,
                               "jitter": n * m["jitter_s"] / ideal_s,
@@ -273,12 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="steps per epoch")
     p.add_argument("--repeats", type=int, help="overhead launches")
     p.add_argument("--overhead-epochs", type=int)
+    p.add_argument("--micro-batch", type=int, help="the trainer's --micro-batch in the balance part (0: off)")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--no-pin", dest="pin", action="store_false", default=None,
                    help="leave ranks unpinned even when there are more ranks than cores")
     ns = p.parse_args(argv)
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
-                                        "batch_per_rank", "steps", "repeats", "overhead_epochs", "pin")
+                                        "batch_per_rank", "steps", "repeats", "overhead_epochs", "pin", "micro_batch")
             if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)

@@ -107,6 +107,20 @@ def test_the_simulator_moves_counts_to_the_fast_rank():
     assert r.epochs_frame()["ratio"].iloc[-1] == pytest.approx(1.0)    # the oracle in units of m, reached
 
 
+def test_the_bench_ideal_is_in_whole_micro_batches():
+    import pandas as pd
+
+    from hetero.bench import Suite, cost_model
+
+    # rank 1 three times slower; each micro-batch of 8 costs a + 8c on rank 0
+    rows = [{"epoch": 1, "step": s, "rank": r, "batch_size": b, "compute_s": (1 + 2 * r) * b / 8 * (0.01 + 8e-3),
+             "wait_s": 0.001} for s in range(4) for r, b in enumerate([32, 32])]
+    m = cost_model(pd.DataFrame(rows), (0.01, 1e-3), 64, 1, micro_batch=8)
+    assert m["ideal_sizes"] == [48, 16] and m["scale"] == pytest.approx([1, 3])
+    with pytest.raises(ValueError, match="micro_batch"):
+        Suite(micro_batch=48)                                          # does not divide batch_per_rank 128
+
+
 # -- gloo processes ----------------------------------------------------------------------------------------------
 def _spawn(fn, tmp_path, world: int, *args) -> list[dict]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

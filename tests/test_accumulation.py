@@ -98,6 +98,18 @@ def test_config_refuses_a_global_batch_the_micro_batch_does_not_divide():
         Config(global_batch=256, micro_batch=32).check_world(9)
 
 
+@pytest.mark.parametrize("args,text", [
+    (["--global-batch", "250", "--micro-batch", "32"], "use --global-batch 224 or 256"),
+    (["--micro-batch", "-1"], "--micro-batch must be non-negative"),
+    (["--micro-batch", "32", "--max-batch", "16"], "--micro-batch 32 exceeds --max-batch 16"),
+    (["--micro-batch", "64"], "global batch 128 is smaller than the ranks' min batch in whole micro-batches of 64"),
+])
+def test_the_command_line_refuses_bad_micro_batches_in_one_line(args, text, monkeypatch, capsys):
+    from test_inputs import SMALL, assert_one_line, check
+
+    assert_one_line(*check([*SMALL, *args], monkeypatch, capsys, world=3), text)
+
+
 def test_the_simulator_moves_counts_to_the_fast_rank():
     from hetero.simulator import Scenario, simulate
 

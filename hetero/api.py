@@ -245,7 +245,7 @@ class Balance:
             raise RuntimeError(f"hetero: step {self._step} got {batch_size} samples, the schedule says "
                                f"{want}: is the loader this Balance's sampler?")
         self.sync_now = self._micro_left <= 1
-        if not self.sync_now and ddp is None:
+        if self.micro_batch and ddp is None:  # on every rank alike, whatever its count (no rank left waiting)
             raise RuntimeError("hetero: with micro_batch, pass the DDP model: `with bal.step(ddp):`")
         with nullcontext() if self.sync_now else ddp.no_sync():
             yield

@@ -133,6 +133,18 @@ def test_the_bench_ideal_is_in_whole_micro_batches():
         Suite(micro_batch=48)                                          # does not divide batch_per_rank 128
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_step_without_the_ddp_model_is_refused_on_every_rank(monkeypatch, rank):
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bal = hetero.Balance(global_batch=16, micro_batch=4, replay={0: np.array([[4, 12]])})  # counts [1, 3]
+    bal.set_samples(16)
+    bal.set_epoch(0)
+    with pytest.raises(RuntimeError, match="pass the DDP model"):  # rank 0 too, though it needs no no_sync
+        with bal.step():
+            pass
+
+
 # -- gloo processes ----------------------------------------------------------------------------------------------
 def _spawn(fn, tmp_path, world: int, *args) -> list[dict]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

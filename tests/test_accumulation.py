@@ -317,3 +317,19 @@ def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
     assert last.loc[0, "batch_size"] > last.loc[1, "batch_size"]       # direction only: no timing asserted
     counts = analysis.micro_batches(analysis.load([run]))
     assert len(counts) == 2 * 2 and (counts["micro_batches_last"] * 8 == last["batch_size"].tolist() * 2).all()
+
+
+def test_the_trainer_accumulates_the_exact_global_batch_gradient(tmp_path):
+    """The built-in trainer's step (replayed counts [1, 2, 5] of m = 4) against single-process SGD."""
+    from conftest import run_train
+    from test_exactness import LR, SEED, _max_diff, _reference, _replay_folder
+
+    sizes = [M * k for k in COUNTS]
+    run = tmp_path / "run"
+    run_train(["--model", "tiny_nobn", "--data", "synthetic", "--subset", str(B), "--test-subset", "64",
+               "--global-batch", str(B), "--micro-batch", str(M), "--epochs", "1", "--lr", str(LR), "--momentum", "0",
+               "--weight-decay", "0", "--augment", "false", "--seed", str(SEED), "--scheme", "edp",
+               "--replay", str(_replay_folder(tmp_path / "record", sizes)), "--run-dir", str(run)], nproc=3)
+    got = torch.load(run / "checkpoint.pt", weights_only=True)["model"]
+    assert _max_diff(got, _reference(sizes, weighted=True)) < 1e-5
+    assert _max_diff(got, _reference(sizes, weighted=False)) > 1e-3

@@ -3,8 +3,9 @@
 Read `train_epoch` top to bottom for one step: the Balance gives every rank's batch sizes for the step (replayed,
 probed or decided), this rank cuts its slice of the epoch's shared permutation (sampler.EpochPlan) straight from
 the device-resident data (data.DeviceLoader), runs forward and backward (the Balance's DDP communication hook sums
-weight_i * g_i and spends an emulated delay when the gradients are ready), steps the optimiser, and ends the step
-in the Balance, which every `rebalance_every` steps and at the epoch's end gathers the compute times and decides:
+weight_i * g_i and spends an emulated delay when the gradients are ready; with --micro-batch m the slice runs as
+k_i micro-batches of m, each in `bal.step(ddp)`, all but the last under no_sync), steps the optimiser, and ends the
+step in the Balance, which every `rebalance_every` steps and at the epoch's end gathers the compute times and decides:
 the new sizes take effect at the next step (lag 0). The command-line life cycle is in train.py.
 """
 from __future__ import annotations

@@ -333,3 +333,14 @@ def test_the_trainer_accumulates_the_exact_global_batch_gradient(tmp_path):
     got = torch.load(run / "checkpoint.pt", weights_only=True)["model"]
     assert _max_diff(got, _reference(sizes, weighted=True)) < 1e-5
     assert _max_diff(got, _reference(sizes, weighted=False)) > 1e-3
+
+
+def test_lightning_refuses_micro_batches(monkeypatch):
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    callback = hetero.BalanceCallback(hetero.Balance(global_batch=16, micro_batch=4))
+    with pytest.raises(ValueError, match="micro_batch is not supported with Lightning"):
+        callback.on_fit_start(SimpleNamespace(accumulate_grad_batches=1), None)

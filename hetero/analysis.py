@@ -87,6 +87,7 @@ def load(source: str | Path | Sequence[str | Path]) -> Frames:
         status = run_status(path)  # a dead job's "running" reads "interrupted" (its folder lock is free)
         runs.append({**ident, "status": status, "error": summary.get("error", ""),
                      "world_size": meta.get("world_size"), "global_batch": cfg["global_batch"],
+                     "micro_batch": cfg.get("micro_batch", 0),
                      "epochs": cfg["epochs"], "epochs_completed": summary.get("epochs_completed", 0),
                      "train_time_s": summary.get("train_time_s"), "final_test_top1": summary.get("final_test_top1"),
                      "final_test_loss": summary.get("final_test_loss"),
@@ -197,6 +198,20 @@ def time_breakdown(frames: Frames) -> pd.DataFrame:
     out = long.groupby(keys, sort=False, as_index=False)["seconds"].mean()
     out["part"] = pd.Categorical(out["part"], parts, ordered=True)
     return out
+
+
+def micro_batches(frames: Frames) -> pd.DataFrame:
+    """Per run, epoch and rank of the runs with --micro-batch: the share beside the micro-batches per step (the
+    epoch's mean and its last step's); empty when no run used micro-batches."""
+    m = frames.runs.set_index("run")["micro_batch"] if "micro_batch" in frames.runs else pd.Series(dtype=int)
+    r = frames.ranks[frames.ranks["run"].map(m).fillna(0) > 0] if len(frames.ranks) else frames.ranks
+    cols = RUN_KEYS + ["epoch", "rank", "share", "micro_batch", "micro_batches_mean", "micro_batches_last"]
+    if r.empty:
+        return pd.DataFrame(columns=cols)
+    r = r.assign(micro_batch=r["run"].map(m).astype(int))
+    r = r.assign(micro_batches_mean=r["samples"] / r["steps"] / r["micro_batch"],
+                 micro_batches_last=(r["batch_size"] // r["micro_batch"]).astype(int))
+    return r[cols].reset_index(drop=True)
 
 
 def describe(frames: Frames) -> str:

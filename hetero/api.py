@@ -9,6 +9,9 @@
             with bal.step():
                 F.cross_entropy(ddp(x), y).backward(); opt.step(); opt.zero_grad()
 
+With `micro_batch=m` the sampler yields micro-batches of m, k_i per rank and step: `with bal.step(ddp):` runs all
+but the step's last under ddp.no_sync(), and the loop steps the optimizer where `bal.sync_now` (README).
+
 One object, the Balance, owns a step's gradient weight, clock and emulated delay; it is the state of the DDP
 communication hook. Decisions (every `rebalance_every` steps and at each epoch's end) take effect at a step that
 no rank's batch sampler has handed out yet, so DataLoader workers running ahead never see two partitions of one
@@ -20,9 +23,7 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -32,33 +33,13 @@ import torch.distributed as dist
 from .balancer import Balancer
 from .dist import StepClock, env_world, gather_rows
 from .emulator import Emulator
+from .hook import balance_hook, spend_delay
 from .memory import probe_max_batch
 from .partition import SCHEMES, batch_sizes, check_feasible
+from .records import Decision, StepRecord
 from .sampler import BalancedBatchSampler
 
 FAR = -(1 << 62)  # the start of the first regime: before any step
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One finished step on this rank: every rank's batch sizes and this rank's own times (s)."""
-    epoch: int
-    step: int
-    sizes: np.ndarray    # [world] batch sizes of the step (sum = global batch)
-    compute_s: float     # own work: start to gradients ready, plus backward's return to the step's end
-    wait_s: float        # the last all-reduce, including waiting for slower ranks
-    delay_s: float       # the emulated extra time spent in this step (part of compute_s)
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One rebalancing decision, identical on every rank; sizes sum to the global batch."""
-    epoch: int           # made after this epoch's step `step`
-    step: int
-    effective: int       # first position (epoch * steps_per_epoch + step) cut with the new sizes
-    sizes: list[int]     # per-rank batch sizes from `effective` on
-    shares: list[float]  # the balancer's shares (sum to 1)
-    compute_s: list[float]  # per-rank mean compute seconds per step over the window decided on
 
 
 class Balance:
@@ -67,19 +48,22 @@ class Balance:
     def __init__(self, *, global_batch: int, scheme: str = "edp", rebalance_every: int = 0, smoothing: float = 0.0,
                  deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1, max_batch: int | str | Sequence | None = None,
                  hetero: str = "", seed: int = 0, lag: int | None = None, sit_out: bool = False,
-                 replay: dict[int, np.ndarray] | None = None):
+                 replay: dict[int, np.ndarray] | None = None, micro_batch: int = 0):
         """scheme: sync, dp, edp or affine. max_batch: an int, "probe", or one entry (int, "probe", None) per rank.
         hetero: the emulation grammar (emulator.py), e.g. "1:slowdown=3". lag: None takes the first step no rank's
         sampler has handed out; an int fixes it (decision after step s -> effective at s + 1 + lag).
         sit_out (affine): a rank may get batch 0; its loop must still run forward and backward (its gradient
         weight is 0), as the built-in trainer does. replay: recorded sizes {epoch: [steps, world]} to train with
-        instead of deciding (no decisions are made)."""
+        instead of deciding (no decisions are made). micro_batch m > 0: every rank's micro-batch is m samples and
+        the balancer decides how many (k_i >= 1) each rank runs per step; max_batch then bounds m, not k_i * m."""
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r} (choose from {', '.join(SCHEMES)})")
         if min_batch < 1:
             raise ValueError("min_batch must be at least 1 (sit_out lets affine give a rank 0)")
-        if rebalance_every < 0 or (lag is not None and lag < 0):
-            raise ValueError("rebalance_every and lag must be >= 0")
+        if rebalance_every < 0 or (lag is not None and lag < 0) or micro_batch < 0:
+            raise ValueError("rebalance_every, lag and micro_batch must be >= 0")
+        if micro_batch and sit_out:
+            raise ValueError("sit_out does not combine with micro_batch (every rank runs at least one micro-batch)")
         self.rank, self.size, _ = env_world()  # before init_process_group too (Lightning builds callbacks first)
         self.scheme, self.global_batch = SCHEMES[scheme], global_batch
         self.rebalance_every, self.lag = rebalance_every, lag
@@ -88,10 +72,11 @@ class Balance:
             raise ValueError(f"max_batch has {len(per_rank)} entries for {self.size} ranks")
         self.probes = [v == "probe" for v in per_rank]
         limits = [float("inf") if v in (None, 0, "probe", float("inf")) else int(v) for v in per_rank]
-        check_feasible(self.size, global_batch, min_batch, limits)
+        self.micro_batch, self.min_batch = micro_batch, min_batch
+        limits = self._check_limits(limits)
         self.balancer = Balancer(self.scheme.rule, self.size, global_batch, min_batch,
                                  None if all(v == float("inf") for v in limits) else limits, smoothing, deadband,
-                                 significance, sit_out=sit_out)
+                                 significance, sit_out=sit_out, granularity=max(micro_batch, 1))
         self.replay = replay
         self.emulator = Emulator(hetero, self.rank, seed)
         self.seed, self.epoch, self.global_step = seed, 0, 0
@@ -108,6 +93,7 @@ class Balance:
         self._sizes = self.balancer.sizes
         self._started: int | None = None  # the epoch set_epoch last started
         self._attached = self._probed = False
+        self._micro_left, self._expected, self.sync_now = 1, 1, True  # micro-batches left; the current one syncs
         self._syncs = self._forwards = 0
         self._in_flight, self._all_issued, self._lock = 0, False, threading.Lock()
 
@@ -118,17 +104,27 @@ class Balance:
         returns every rank's limit."""
         own = float("inf")
         if self.probes[self.rank]:
-            own = probe_max_batch(model, sample_shape, classes, device, lo=self.balancer.min_batch,
-                                  hi=self.global_batch, autocast=autocast)
+            own = probe_max_batch(model, sample_shape, classes, device, lo=min(self.balancer.min_batch,
+                                  self.micro_batch or self.global_batch), hi=self.micro_batch or self.global_batch,
+                                  autocast=autocast)
         coll = device if dist.get_backend() == "nccl" else torch.device("cpu")
         probed = gather_rows(torch.tensor([own]), coll).flatten().tolist()
         b = self.balancer
         old = b.max_batch if b.max_batch is not None else [float("inf")] * self.size
-        limits = [p if pr else o for p, pr, o in zip(probed, self.probes, old)]
-        check_feasible(self.size, self.global_batch, b.min_batch, limits)
+        limits = self._check_limits([p if pr else o for p, pr, o in zip(probed, self.probes, old)])
         b.max_batch, b._probe_sizes = limits, None
-        b.sizes = batch_sizes(b.shares, self.global_batch, b.min_batch, limits)
+        b.sizes = batch_sizes(b.shares, self.global_batch, b.min_batch, limits, b.granularity)
         self._regimes, self._probed = [(FAR, copy.deepcopy(b))], True
+        return limits
+
+    def _check_limits(self, limits: list[float]) -> list[float]:
+        """Check the per-rank largest batches; with micro-batches they bound m (the counts are unbounded)."""
+        m = self.micro_batch
+        if m and (small := [r for r, v in enumerate(limits) if v < m]):
+            raise ValueError(f"micro_batch {m} exceeds rank {small[0]}'s largest batch {limits[small[0]]:g}: "
+                             f"lower micro_batch")
+        limits = [float("inf")] * self.size if m else limits
+        check_feasible(self.size, self.global_batch, self.min_batch, limits, max(m, 1))
         return limits
 
     def attach(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -191,8 +187,14 @@ class Balance:
         self._step = self._step if step is None else step
         self._pos = self.epoch * self.steps_per_epoch + self._step
         self._sizes = self.sizes_at(self.epoch, self._step)
-        b = int(self._sizes[self.rank])
-        self._weight = b / self.global_batch if self.scheme.weighted else 1.0 / self.size
+        b, m = int(self._sizes[self.rank]), self.micro_batch
+        if m and (b % m or not b):
+            raise RuntimeError(f"hetero: step {self._step} gives rank {self.rank} {b} samples, not whole micro-batches "
+                               f"of {m} (a replay recorded with another micro_batch?)")
+        # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
+        self._micro_left = self._expected = b // m if m else 1
+        unit = m or b
+        self._weight = unit / self.global_batch if self.scheme.weighted else 1.0 / (self.size * self._micro_left)
         self._syncs = self._forwards = 0
         self._in_flight, self._all_issued, self._delay = 0, False, 0.0
         self._clock = StepClock(self._device)
@@ -208,10 +210,12 @@ class Balance:
         """End a step (after the optimizer step); every K steps and at the epoch's end, decide (collective)."""
         self._clock.mark("end")
         clock, self._clock = self._clock, None
-        if self._attached and (self._syncs != 1 or self._forwards > 1):
+        if self._attached and (self._syncs != 1 or self._forwards > self._expected):
+            hint = ("run each micro-batch in `with bal.step(ddp):`" if self.micro_batch else "gradient "
+                    "accumulation (no_sync) is not supported: raise global_batch (max_batch bounds each rank's "
+                    "batch) or set micro_batch")
             raise RuntimeError(f"hetero: a step ran {self._forwards} forward(s) and {self._syncs} gradient "
-                               "all-reduce(s); it needs one of each: gradient accumulation (no_sync) is not "
-                               "supported, raise global_batch instead (max_batch bounds each rank's batch)")
+                               f"all-reduce(s); this rank needs {self._expected} and 1: {hint}")
         self._unread.append((self._step, self._sizes, clock, self._delay))
         self._planned = {p: s for p, s in self._planned.items() if p > self._pos}
         step, self._step, self.global_step = self._step, self._step + 1, self.global_step + 1
@@ -230,14 +234,24 @@ class Balance:
         return self.records
 
     @contextmanager
-    def step(self, batch_size: int | None = None) -> Iterator[None]:
-        """Wrap forward, backward and optimizer step; batch_size (optional) is checked against the schedule."""
-        self.begin_step()
-        if batch_size is not None and batch_size != self._sizes[self.rank]:
+    def step(self, ddp: torch.nn.Module | None = None, batch_size: int | None = None) -> Iterator[None]:
+        """Wrap one batch's forward and backward, and the optimizer step where `bal.sync_now` (always, without
+        micro_batch). With micro_batch a rank runs k_i of these per step, all but the last under ddp.no_sync()
+        (so pass ddp). batch_size (optional) is checked against the schedule."""
+        if self._clock is None:  # the step's first batch (the built-in trainer begins its steps itself)
+            self.begin_step()
+        want = self.micro_batch or self._sizes[self.rank]
+        if batch_size is not None and batch_size != want:
             raise RuntimeError(f"hetero: step {self._step} got {batch_size} samples, the schedule says "
-                               f"{self._sizes[self.rank]}: is the loader this Balance's sampler?")
-        yield
-        self.end_step()
+                               f"{want}: is the loader this Balance's sampler?")
+        self.sync_now = self._micro_left <= 1
+        if self.micro_batch and ddp is None:  # on every rank alike, whatever its count (no rank left waiting)
+            raise RuntimeError("hetero: with micro_batch, pass the DDP model: `with bal.step(ddp):`")
+        with nullcontext() if self.sync_now else ddp.no_sync():
+            yield
+        self._micro_left -= 1
+        if self.sync_now:
+            self.end_step()
 
     def _decide(self, step: int) -> Decision:
         """The one decision path: gather every rank's compute times and sampler position, run the pure balancer."""
@@ -283,46 +297,3 @@ class Balance:
         self._regimes, self._planned, self._handed = [(FAR, copy.deepcopy(self.balancer))], {}, FAR
         self.records, self._unread, self._decided_upto = [], [], 0
         self._started = None
-
-
-def spend_delay(emulator: Emulator, epoch: int, global_step: int, clock: StepClock) -> float:
-    """An emulated slow rank's extra time (s), spent when its gradients are ready; returns it.
-
-    On CUDA the host runs ahead of the GPU: a sleep while this rank's kernels are still queued would overlap them
-    and be lost. So the host first waits for the compute stream (clock.wait_device: an event, not a device-wide
-    synchronise, which would also wait for NCCL), once per delayed step; the `ready` mark, recorded after the
-    sleep, then counts the delay as compute on CUDA as on the CPU."""
-    waited = emulator.needs_compute_time
-    own = clock.host_elapsed_s() if waited else 0.0  # slowdown: waits for the device to measure its own time
-    delay = emulator.delay_s(epoch, global_step, own)
-    if delay > 0:
-        if not waited:
-            clock.wait_device()
-        time.sleep(delay)
-    return delay
-
-
-def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Sum over ranks of weight_i * g_i (b_i/B: the global-batch gradient; 1/world: DDP's mean). Linear, so a
-    GradScaler's scale passes through and clipping or unscaling after the all-reduce see the exact gradient."""
-    if bucket.is_last():
-        state._on_ready()
-    buf = bucket.buffer()
-    buf.mul_(state._weight)
-    with state._lock:
-        state._in_flight += 1
-        state._all_issued = bucket.is_last()
-    fut = dist.all_reduce(buf, async_op=True).get_future()
-    clock = state._clock
-
-    def done(f):
-        with state._lock:  # gloo may finish buckets out of order: the wait ends with the last one back
-            state._in_flight -= 1
-            if state._in_flight == 0 and state._all_issued:
-                clock.mark("returned")
-        return f.value()[0]
-    return fut.then(done)
-
-
-# DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings
-balance_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})

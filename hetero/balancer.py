@@ -25,6 +25,8 @@ class Balancer:
     sit_out: the affine rule may give a rank whose fixed cost alone exceeds the balanced step time batch 0.
     probe_steps: before its first decision the affine rule alternates batch sizes by +-30% on this many first
       steps, so every rank is timed at two sizes (later decisions also learn from the sizes changing).
+    granularity: the micro-batch mode's m: the maths decides whole micro-batches per rank (sizes are multiples
+      of m); times are still fitted per sample, so a step is a fixed cost plus a cost per micro-batch.
     windows_kept: windows kept for the affine fit; a rank's older windows are dropped when its time jumps at an
       unchanged batch size (its speed changed), so a change is followed at the next decision.
     """
@@ -37,6 +39,7 @@ class Balancer:
     deadband: float = 0.0
     significance: float = 1.0
     sit_out: bool = False
+    granularity: int = 1  # sizes are multiples of this (the micro-batch m; 1: any size)
     probe_steps: int = 16
     windows_kept: int = 4
     shares: np.ndarray = field(default=None)
@@ -60,7 +63,7 @@ class Balancer:
             self.shares = np.full(self.world, 1.0 / self.world)
         self.shares = np.asarray(self.shares, float)
         if self.sizes is None:
-            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch)
+            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
         if self._windows is None:
             self._windows = np.zeros((0, N_STATS, self.world))
 
@@ -78,7 +81,7 @@ class Balancer:
             # rank still sees two sizes. Rounding keeps the sizes within bounds and the sum exact.
             sign = np.where(np.arange(self.world) % 2 == 0, 1.0, -1.0)
             self._probe_sizes = tuple(batch_sizes(self.shares * (1 + 0.3 * s), self.global_batch, self.min_batch,
-                                                  self.max_batch) for s in (sign, -sign))
+                                                  self.max_batch, self.granularity) for s in (sign, -sign))
         return self._probe_sizes[step % 2]
 
     def observe(self, batch, compute_s) -> None:
@@ -101,11 +104,11 @@ class Balancer:
             fixed, per = np.zeros(self.world), new[2] / np.maximum(new[1], 1)
             new_shares = proportional_shares(new[1], new[2])
             new_shares = self.smoothing * self.shares + (1 - self.smoothing) * new_shares
-            new_sizes = batch_sizes(new_shares, self.global_batch, self.min_batch, self.max_batch)
+            new_sizes = batch_sizes(new_shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
         else:
             fixed, per = self._fit(new)
             new_sizes = affine_batch_sizes(fixed, per, self.global_batch, self.min_batch, self.max_batch,
-                                           self.sit_out)
+                                           self.sit_out, self.granularity)
             new_shares = new_sizes / self.global_batch
         self.fixed_s, self.per_sample_s = fixed, per
         self.decisions += 1
@@ -171,7 +174,7 @@ class Balancer:
         self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
         self._probe_sizes = None
         if np.any(self.sizes > _as_bounds(self.world, self.max_batch, np.inf)):  # resumed under lower limits (a GPU probed again): same shares, new bounds
-            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch)
+            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
 
 
 def noise_s(stats: np.ndarray) -> float:

@@ -39,6 +39,7 @@ class Suite:
     overhead_epochs: int = 12                   # trainer and plain epochs per launch, in turn; the first warm up
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
+    micro_batch: int = 0                        # the trainer's --micro-batch (0: per-rank batch sizes)
     parts: tuple[str, ...] = PARTS
 
     def global_batch(self, world: int) -> int:
@@ -58,6 +59,8 @@ class Suite:
             raise ValueError("need slowdowns of at least 1 and delays above 0")
         if bad := [s for s in self.schemes if s not in SCHEMES]:
             raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
+        if self.micro_batch < 0 or (self.micro_batch and self.batch_per_rank % self.micro_batch):
+            raise ValueError("need micro_batch >= 0 dividing batch_per_rank")
         if bad := [p for p in self.parts if p not in PARTS]:
             raise ValueError(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
 
@@ -209,13 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="runs of every balance row")
     p.add_argument("--overhead-launches", type=int)
     p.add_argument("--overhead-epochs", type=int)
+    p.add_argument("--micro-batch", type=int, help="the trainer's --micro-batch in the balance part (0: off)")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--no-pin", dest="pin", action="store_false", default=None,
                    help="leave ranks unpinned even when there are more ranks than cores")
     ns = p.parse_args(argv)
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
                                         "batch_per_rank", "steps", "repeats", "overhead_launches", "overhead_epochs",
-                                        "pin", "delays")
+                                        "pin", "delays", "micro_batch")
             if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)

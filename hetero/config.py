@@ -55,6 +55,8 @@ class Config:
     epochs: int = _opt(150, "training epochs")
     global_batch: int = _opt(256, "samples per step over all ranks (B)")
     min_batch: int = _opt(1, "smallest per-rank batch any scheme may assign")
+    micro_batch: int = _opt(0, "fixed micro batch m on every rank: balance how many each rank runs per step, "
+                               "accumulated under no_sync (0: balance batch sizes)")
     sit_out: bool = _opt(False, "affine: a rank whose fixed cost alone exceeds the balanced step sits out")
     max_batch: str = _opt("0", 'largest batch per rank (0: no limit; probe: find it on a GPU); or per rank "256,64"')
     lr: float = _opt(0.1, "SGD learning rate (Nesterov momentum, cosine schedule over the epochs)")
@@ -124,7 +126,7 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be positive (got {v})")
         if self.min_batch < 1:  # under DDP every rank joins every all-reduce, so every rank computes something
             raise ConfigError(f"--min-batch must be at least 1 (got {self.min_batch})")
-        for name in ("weight_decay", "subset", "test_subset", "rebalance_every", "seed"):
+        for name in ("weight_decay", "subset", "test_subset", "rebalance_every", "seed", "micro_batch"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"--{_flag(name)} must be non-negative (got {v})")
@@ -142,6 +144,8 @@ class Config:
             raise ConfigError(f"--subset {self.subset} is smaller than the global batch {self.global_batch}")
         if self.sit_out and self.scheme != "affine":
             raise ConfigError(f"--sit-out needs --scheme affine (got {self.scheme!r})")
+        if self.micro_batch:
+            self._check_micro_batch()
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: choose one")
         try:
@@ -150,6 +154,19 @@ class Config:
             raise ConfigError(f"bad --hetero {self.hetero!r}: {e}") from None
         if any(m.strip().isdigit() and 0 < int(m) < self.min_batch for m in self.max_batch.split(",")):
             raise ConfigError(f"--max-batch {self.max_batch} is below --min-batch {self.min_batch}")
+
+    def _check_micro_batch(self) -> None:
+        """The micro-batch mode: B a multiple of m; max batch bounds m (memory), no sit-out (k_i >= 1)."""
+        m, B = self.micro_batch, self.global_batch
+        if B % m:
+            down, up = B - B % m, B - B % m + m
+            raise ConfigError(f"--global-batch {B} is not a multiple of --micro-batch {m}: use --global-batch "
+                              f"{f'{down} or ' if down else ''}{up}")
+        if self.sit_out:
+            raise ConfigError("--sit-out does not combine with --micro-batch (every rank runs at least one)")
+        small = [v for v in self.max_batch.split(",") if v.strip().isdigit() and 0 < int(v) < m]
+        if small:
+            raise ConfigError(f"--micro-batch {m} exceeds --max-batch {small[0]} (it bounds the micro-batch)")
 
     def check_world(self, world: int) -> None:
         """The checks that need the world size (known once torchrun has started us, or from NPROC)."""
@@ -169,7 +186,8 @@ class Config:
             raise ConfigError(f"--backend nccl needs every rank on a GPU (devices {','.join(devices)}); mixed "
                               f"CPU/GPU jobs use gloo (--backend auto picks it)")
         try:
-            check_feasible(world, self.global_batch, self.min_batch, self.max_batches(world))
+            check_feasible(world, self.global_batch, self.min_batch,
+                           None if self.micro_batch else self.max_batches(world), max(self.micro_batch, 1))
         except ValueError as e:
             raise ConfigError(f"{e} (world size {world})") from None
 

@@ -1,5 +1,5 @@
 """Distributed plumbing: process group from torchrun's environment, devices, the step clock and small gather
-helpers. The gradient-weighting DDP communication hook is api.balance_hook; the training loop is trainer.py."""
+helpers. The gradient-weighting DDP communication hook is hook.balance_hook; the training loop is trainer.py."""
 import inspect
 import json
 import os

@@ -36,8 +36,8 @@ def train(suite: "Suite", out: Path, name: str, world: int, scheme: str, hetero:
         "--model", "tiny", "--data", "synthetic", "--subset", str(suite.subset(world)), "--test-subset", "256",
         "--global-batch", str(suite.global_batch(world)), "--epochs", str(suite.epochs), "--scheme", scheme,
         "--hetero", hetero, "--threads", "1", "--affinity", affinity(world, suite.pin), "--augment", "false",
-        "--run-dir", str(run_dir)]), out / "logs" / f"{name}.log", 900, clean_env(threads="1"),
-        done=run_dir / "summary.json", notes=notes)
+        "--micro-batch", str(suite.micro_batch), "--run-dir", str(run_dir)]), out / "logs" / f"{name}.log", 900,
+        clean_env(threads="1"), done=run_dir / "summary.json", notes=notes)
     return run_dir
 
 
@@ -79,11 +79,16 @@ def effects(suite: "Suite", world: int, calib: tuple[float, float]) -> list[tupl
                for f in suite.delays])
 
 
-def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int, kind: str = "slowdown") -> dict:
+def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int, kind: str = "slowdown",
+               micro_batch: int = 0) -> dict:
     """One run's cost model from its steps.csv (steady-state steps): rank i costs s_i x (a + c x b) seconds, plus its
     mean constant delay for kind "delay"; the ideal and equal-share step times, the all-reduce time and the jitter
-    (README: benchmarks). A slowdown scales a rank's own compute, so it stays in s_i."""
+    (README: benchmarks). A slowdown scales a rank's own compute, so it stays in s_i. With micro-batches of m a rank
+    runs b/m of them, each a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches."""
     a, c = calib
+    unit = max(micro_batch, 1)
+    if micro_batch:
+        a, c = 0.0, c + a / unit
     world = steps["rank"].nunique()
     steady = steps[steps.epoch >= steady_from].assign(
         work_s=lambda s: s.compute_s - (s.delay_s if kind == "delay" else 0.0))
@@ -91,8 +96,8 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     scale = (by_rank.work_s.sum() / by_rank.batch_size.apply(lambda b: (a + c * b).sum())).to_numpy()
     delay = by_rank.delay_s.mean().to_numpy() if kind == "delay" else np.zeros(world)
     fixed, per = scale * a + delay, scale * c
-    best = affine_batch_sizes(fixed, per, global_batch)
-    equal = batch_sizes(np.ones(world), global_batch)
+    best = affine_batch_sizes(fixed, per, global_batch, granularity=unit)
+    equal = batch_sizes(np.ones(world), global_batch, granularity=unit)
     sizes = steady.pivot_table(index=["epoch", "step"], columns="rank", values="batch_size").to_numpy()
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
             "ideal_sizes": best.tolist(), "ideal_step_s": predicted_step_s(fixed, per, best),
@@ -111,18 +116,20 @@ def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str,
     import pandas as pd
 
     kind, label, hetero = effect
-    name = f"balance-w{world}-{hetero.split(':')[1].replace('=', '')}-{scheme}-r{repeat}"
+    name = f"balance-w{world}-{hetero.split(':')[1].replace('=', '')}-{scheme}-r{repeat}" + (
+        f"-m{suite.micro_batch}" if suite.micro_batch else "")
     print(f"bench: {name}", flush=True)
     d = train(suite, out, name, world, scheme, hetero, notes)
     ranks, steps = (pd.read_csv(d / f"{t}.csv") for t in ("ranks", "steps"))
-    m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, kind)
+    m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, kind, suite.micro_batch)
     steady = steady_epochs(d, suite.steady_from)
     n = int(steady[0]["steps"])
     ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])
     epoch_s = float(np.median([float(r["epoch_time_s"]) for r in steady]))
     sim = noisefit.replay(d, m, suite.steady_from)  # the run replayed in the simulator with its own jitter
     return {"world": world, "kind": kind, "effect": label, "hetero": hetero, "scheme": scheme, "repeat": repeat,
-            "affinity": affinity(world, suite.pin), "global_batch": suite.global_batch(world), "steps": n,
+            "affinity": affinity(world, suite.pin), "global_batch": suite.global_batch(world),
+            "micro_batch": suite.micro_batch, "steps": n,
             "epoch_s": epoch_s, "ideal_s": ideal_s, "over_ideal": epoch_s / ideal_s, "sync_bound_s": bound_s,
             "over_sync_bound": epoch_s / bound_s, "predicted_speedup": bound_s / ideal_s,
             "jitter": n * m["jitter_s"] / ideal_s, "misallocation": n * m["misallocation_s"] / ideal_s,

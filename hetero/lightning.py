@@ -23,6 +23,8 @@ class BalanceCallback(Callback):
         self.balance = balance
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.balance.micro_batch:  # Lightning accumulates one fixed count on every rank; k_i differs per rank
+            raise ValueError("hetero: micro_batch is not supported with Lightning: use it in your own loop")
         if trainer.accumulate_grad_batches != 1:
             raise ValueError("hetero: accumulate_grad_batches is not supported: raise global_batch instead")
         self.balance.attach(trainer.strategy.model)  # the DistributedDataParallel wrapper, built by now

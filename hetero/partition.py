@@ -34,21 +34,49 @@ def _as_bounds(n: int, bound: int | np.ndarray | None, default: float) -> np.nda
     return np.broadcast_to(np.asarray(bound, dtype=float), (n,)).copy()
 
 
-def check_feasible(n: int, global_batch: int, min_batch, max_batch=None) -> None:
-    """Raise ValueError unless n ranks can split global_batch within the bounds."""
+def check_feasible(n: int, global_batch: int, min_batch, max_batch=None, granularity: int = 1) -> None:
+    """Raise ValueError unless n ranks can split global_batch within the bounds, in multiples of granularity."""
     lo, hi = _as_bounds(n, min_batch, 0), _as_bounds(n, max_batch, np.inf)
     if np.any(lo < 0) or np.any(hi < lo):
         raise ValueError(f"batch bounds must satisfy 0 <= min_batch <= max_batch (got {min_batch}, {max_batch})")
+    if granularity > 1:
+        _in_units(n, global_batch, min_batch, max_batch, granularity)
+        return
     if lo.sum() > global_batch:
         raise ValueError(f"global batch {global_batch} is smaller than {n} ranks x min batch ({int(lo.sum())})")
     if hi.sum() < global_batch:
         raise ValueError(f"global batch {global_batch} exceeds the sum of the ranks' max batch ({hi.sum():g})")
 
 
-def batch_sizes(shares, global_batch: int, min_batch=1, max_batch=None) -> np.ndarray:
-    """Integer batch sizes as close to shares*global_batch as the bounds allow; they sum to global_batch."""
+def _in_units(n: int, global_batch: int, min_batch, max_batch, m: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """The problem in units of m samples (micro-batches): (total, lo, hi), bounds rounded inwards; checked."""
+    if global_batch % m:
+        down, up = global_batch - global_batch % m, global_batch - global_batch % m + m
+        near = f"{down} or {up}" if down else f"{up}"
+        raise ValueError(f"global batch {global_batch} is not a multiple of the micro-batch {m}: use {near}")
+    lo = np.ceil(_as_bounds(n, min_batch, 0) / m)
+    hi = np.floor(_as_bounds(n, max_batch, np.inf) / m)
+    if np.any(bad := hi < np.maximum(lo, 1)):
+        r = int(np.argmax(bad))
+        raise ValueError(f"rank {r}'s batch bounds [{_as_bounds(n, min_batch, 0)[r]:g}, "
+                         f"{_as_bounds(n, max_batch, np.inf)[r]:g}] hold no whole micro-batch of {m}")
+    if lo.sum() * m > global_batch:
+        raise ValueError(f"global batch {global_batch} is smaller than the ranks' min batch in whole micro-batches "
+                         f"of {m} ({int(lo.sum() * m)})")
+    if hi.sum() * m < global_batch:
+        raise ValueError(f"global batch {global_batch} exceeds the ranks' max batch in whole micro-batches of {m} "
+                         f"({hi.sum() * m:g})")
+    return global_batch // m, lo, hi
+
+
+def batch_sizes(shares, global_batch: int, min_batch=1, max_batch=None, granularity: int = 1) -> np.ndarray:
+    """Integer batch sizes as close to shares*global_batch as the bounds allow; they sum to global_batch and are
+    multiples of granularity (the micro-batch: the split is solved in its units, bounds rounded inwards)."""
     s = np.asarray(shares, dtype=float)
     n = len(s)
+    if granularity > 1:
+        units, lo, hi = _in_units(n, global_batch, min_batch, max_batch, granularity)
+        return granularity * batch_sizes(s, units, lo, hi)
     check_feasible(n, global_batch, min_batch, max_batch)
     if np.any(~np.isfinite(s)) or np.any(s < 0) or s.sum() <= 0:
         raise ValueError(f"shares must be finite, non-negative and not all zero (got {s.tolist()})")
@@ -189,14 +217,18 @@ def predicted_step_s(fixed_s, per_sample_s, batch) -> float:
 
 
 def affine_batch_sizes(fixed_s, per_sample_s, global_batch: int, min_batch=1, max_batch=None,
-                       sit_out: bool = False) -> np.ndarray:
+                       sit_out: bool = False, granularity: int = 1) -> np.ndarray:
     """Integer batch sizes minimising the slowest predicted step max_i(fixed_i + per_sample_i * b_i); exact.
 
     A rank whose fixed part alone exceeds the balanced step time gets min_batch, or 0 (it sits the step out,
-    its gradient weight is zero) when sit_out is allowed. Sizes sum to global_batch.
+    its gradient weight is zero) when sit_out is allowed. Sizes sum to global_batch. With granularity m > 1 the
+    sizes are multiples of m: a step is a fixed cost plus a cost per micro-batch (per_sample_s x m).
     """
     a, c = np.asarray(fixed_s, float), np.asarray(per_sample_s, float)
     n = len(a)
+    if granularity > 1:
+        units, lo, hi = _in_units(n, global_batch, min_batch, max_batch, granularity)
+        return granularity * affine_batch_sizes(a, c * granularity, units, lo, hi, sit_out)
     check_feasible(n, global_batch, min_batch, max_batch)
     if np.any(~np.isfinite(a)) or np.any(~np.isfinite(c)):
         raise ValueError("fixed_s and per_sample_s must be finite")

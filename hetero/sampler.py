@@ -43,13 +43,16 @@ class EpochPlan:
 
 
 class BalancedBatchSampler(torch.utils.data.Sampler):
-    """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan)."""
+    """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan); with a
+    micro_batch m, the slice in k_r micro-batches of m (each rank's slice is a whole number of them)."""
 
     def __init__(self, balance: "Balance", n_samples: int, seed: int):
         self.balance, self.n_samples, self.seed = balance, n_samples, seed
 
     def __len__(self) -> int:
-        return self.balance.steps_per_epoch
+        """Batches per epoch; with micro-batches an estimate (the counts may change within the epoch)."""
+        bal = self.balance
+        return bal.steps_per_epoch * (int(bal.balancer.sizes[bal.rank]) // bal.micro_batch if bal.micro_batch else 1)
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
         self.balance.set_epoch(epoch)
@@ -59,5 +62,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         if epoch * bal.steps_per_epoch < bal._handed:
             raise RuntimeError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
         plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
+        m = bal.micro_batch
         for step in range(plan.steps):
-            yield plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()
+            idx = plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()
+            yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

@@ -107,7 +107,7 @@ class SimResult:
     step_s: np.ndarray           # [S] step time: the slowest rank's time (s)
     optimum_s: np.ndarray        # [S] the oracle's step time under the same draws (s)
     idle_frac: np.ndarray        # [S] mean over ranks of the time spent waiting for the slowest, / step time
-    sizes: np.ndarray            # [S, n] batch sizes (int32)
+    sizes: np.ndarray            # [S, n] batch sizes (int32; with micro_batch m, k_i * m)
     decisions: list = field(default_factory=list)  # global steps at which a decision changed the sizes
     decide_s: list = field(default_factory=list)   # wall time of each observe+decide (s)
 
@@ -157,12 +157,14 @@ class SimResult:
 
 def simulate(scenario: Scenario, scheme: str, global_batch: int, epochs: int, steps_per_epoch: int, *,
              min_batch=1, max_batch=None, smoothing: float = 0.0, deadband: float = 0.0, significance: float = 1.0,
-             rebalance_every: int = 0, sit_out: bool = False, seed: int = 0, balancer: dict | None = None) -> SimResult:
+             rebalance_every: int = 0, sit_out: bool = False, seed: int = 0, micro_batch: int = 0,
+             balancer: dict | None = None) -> SimResult:
     """Run one scheme for epochs x steps_per_epoch steps; the same seed gives every scheme the same draws.
-    balancer: further Balancer settings (e.g. probe_steps)."""
-    n = scenario.world
+    micro_batch m > 0: every rank runs k_i micro-batches of m per step (sizes k_i * m; the oracle too), a step of
+    rank i costing fixed_s_i + per_sample_s_i * m * k_i. balancer: further Balancer settings (e.g. probe_steps)."""
+    n, unit = scenario.world, max(micro_batch, 1)
     bal = Balancer(SCHEMES[scheme].rule, n, global_batch, min_batch, max_batch, smoothing, deadband, significance,
-                   sit_out=sit_out, **(balancer or {}))
+                   sit_out=sit_out, granularity=unit, **(balancer or {}))
     rng = np.random.default_rng(seed)
     oracle: dict[bytes, np.ndarray] = {}
     S = epochs * steps_per_epoch
@@ -188,7 +190,7 @@ def simulate(scenario: Scenario, scheme: str, global_batch: int, epochs: int, st
                 k = key.tobytes()
                 if k not in oracle:
                     a, c = scenario.mean_costs(key)
-                    oracle[k] = affine_batch_sizes(a, c, global_batch, min_batch, max_batch, sit_out)
+                    oracle[k] = affine_batch_sizes(a, c, global_batch, min_batch, max_batch, sit_out, unit)
                 b = oracle[k]
                 res.optimum_s[g[cols]] = (step_times(scenario.fixed_s, scenario.per_sample_s, b) * noise[cols]
                                           * slow[cols] + delay[cols] * (b > 0)).max(1)

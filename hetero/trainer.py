@@ -3,8 +3,9 @@
 Read `train_epoch` top to bottom for one step: the Balance gives every rank's batch sizes for the step (replayed,
 probed or decided), this rank cuts its slice of the epoch's shared permutation (sampler.EpochPlan) straight from
 the device-resident data (data.DeviceLoader), runs forward and backward (the Balance's DDP communication hook sums
-weight_i * g_i and spends an emulated delay when the gradients are ready), steps the optimiser, and ends the step
-in the Balance, which every `rebalance_every` steps and at the epoch's end gathers the compute times and decides:
+weight_i * g_i and spends an emulated delay when the gradients are ready; with --micro-batch m the slice runs as
+k_i micro-batches of m, each in `bal.step(ddp)`, all but the last under no_sync), steps the optimiser, and ends the
+step in the Balance, which every `rebalance_every` steps and at the epoch's end gathers the compute times and decides:
 the new sizes take effect at the next step (lag 0). The command-line life cycle is in train.py.
 """
 from __future__ import annotations
@@ -116,7 +117,7 @@ class Trainer:
                                smoothing=cfg.smoothing, deadband=cfg.deadband,
                                significance=cfg.significance, min_batch=cfg.min_batch,
                                max_batch=self.max_batches, hetero=cfg.hetero, seed=cfg.seed, lag=0,
-                               sit_out=cfg.sit_out, replay=replay)
+                               sit_out=cfg.sit_out, replay=replay, micro_batch=cfg.micro_batch)
         self.balance.set_samples(len(self.train_loader))
         self.ddp = wrap_ddp(self.model, dev)
         self.balance.attach(self.ddp)  # the weighting hook, with the step clock and the emulated delay
@@ -143,7 +144,8 @@ class Trainer:
         if probes[w.rank]:
             try:
                 own = probe_max_batch(self.model, tuple(data.train_x.shape[1:]), len(data.classes), w.device,
-                                      lo=cfg.min_batch, hi=cfg.global_batch, autocast=self.autocast,
+                                      lo=min(cfg.min_batch, cfg.micro_batch or cfg.min_batch),
+                                      hi=cfg.micro_batch or cfg.global_batch, autocast=self.autocast,
                                       memory_format=self.memory_format)
             except RuntimeError as e:
                 own, err = -1.0, str(e)
@@ -153,8 +155,12 @@ class Trainer:
         if failed := [r for r, v in enumerate(probed) if v < 0]:
             raise TrainingError(f"--max-batch probe failed on rank {failed[0]} (its log has the reason)")
         limits = cfg.max_batches(w.size, probed)
+        if cfg.micro_batch and (small := [r for r, v in enumerate(limits) if v < cfg.micro_batch]):
+            raise TrainingError(f"--micro-batch {cfg.micro_batch} does not fit rank {small[0]}'s memory (largest "
+                                f"batch {limits_text([limits[small[0]]], 1)}): lower --micro-batch")
         try:
-            check_feasible(w.size, cfg.global_batch, cfg.min_batch, limits)
+            check_feasible(w.size, cfg.global_batch, cfg.min_batch, None if cfg.micro_batch else limits,
+                           max(cfg.micro_batch, 1))
         except ValueError:
             raise TrainingError(f"the largest batches per rank ({limits_text(limits, w.size)}; probed with "
                                 f"--max-batch {cfg.max_batch}) hold less than the global batch {cfg.global_batch}: "
@@ -199,19 +205,24 @@ class Trainer:
             # A rank sitting out (batch 0) still joins the all-reduce: DDP needs its backward. It computes two
             # borrowed samples with the loss scaled to zero, and its gradient weight is 0.
             idx = plan.indices(step, sizes, w.rank) if b else plan.indices(step, sizes, 0)[:2]
-            x, y = self.train_loader.batch(idx)
-            with self.autocast:
-                out = self.ddp(x.contiguous(memory_format=self.memory_format))  # a no-op: the loader's format
-                loss = F.cross_entropy(out.float(), y) * (1.0 if b else 0.0)
-            loss.backward()  # the hook all-reduces weight_i * g_i; a slow rank's emulated delay is spent in it
-            bal.mark_backward()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                sums += torch.stack([loss.detach().double() * b, (out.argmax(1) == y).sum().double() * (b > 0)])
-                first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
-                                        torch.full_like(first_bad, step), first_bad)
-            bal.end_step()  # every rebalance_every steps and at the epoch's end: the decision, for step + 1 on
+            m = cfg.micro_batch or len(idx)  # --micro-batch: k_i = b / m micro-batches, all but the last no_sync
+            for lo in range(0, len(idx), m):
+                x, y = self.train_loader.batch(idx[lo:lo + m])
+                with bal.step(self.ddp):  # the step's last batch syncs; its end ends the step (end_step)
+                    with self.autocast:
+                        out = self.ddp(x.contiguous(memory_format=self.memory_format))  # no-op: loader's format
+                        loss = F.cross_entropy(out.float(), y) * (1.0 if b else 0.0)
+                    loss.backward()  # the hook all-reduces weight_i * g_i; an emulated delay is spent in it
+                    if bal.sync_now:
+                        bal.mark_backward()
+                        self.opt.step()
+                        self.opt.zero_grad(set_to_none=True)
+                    # every rebalance_every steps and at the epoch's end, the step's end decides for step + 1 on
+                with torch.no_grad():
+                    n = len(y) if b else 0
+                    sums += torch.stack([loss.detach().double() * n, (out.argmax(1) == y).sum().double() * (b > 0)])
+                    first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
+                                            torch.full_like(first_bad, step), first_bad)
             if bar is not None:
                 bar.update(1)
         bad = gather_rows(first_bad.reshape(1), w.coll_device).flatten()

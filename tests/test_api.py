@@ -322,7 +322,7 @@ def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
     bal.set_samples(16)
     bal.set_epoch(0)
     slept = []
-    monkeypatch.setattr(hetero.api.time, "sleep", slept.append)
+    monkeypatch.setattr(hetero.hook.time, "sleep", slept.append)
     for step in range(2):
         bal.begin_step(step)
         weight = bal._weight

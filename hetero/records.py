@@ -1,0 +1,28 @@
+"""The typed results of hetero.Balance: one finished step on a rank, and one rebalancing decision."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One finished step on this rank: every rank's batch sizes and this rank's own times (s)."""
+    epoch: int
+    step: int
+    sizes: np.ndarray    # [world] batch sizes of the step (sum = global batch)
+    compute_s: float     # own work (all k_i micro-batches): start to gradients ready, plus backward's return to the end
+    wait_s: float        # the last all-reduce, including waiting for slower ranks
+    delay_s: float       # the emulated extra time spent in this step (part of compute_s)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One rebalancing decision, identical on every rank; sizes sum to the global batch."""
+    epoch: int           # made after this epoch's step `step`
+    step: int
+    effective: int       # first position (epoch * steps_per_epoch + step) cut with the new sizes
+    sizes: list[int]     # per-rank batch sizes from `effective` on
+    shares: list[float]  # the balancer's shares (sum to 1)
+    compute_s: list[float]  # per-rank mean compute seconds per step over the window decided on

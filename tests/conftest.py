@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+from torch.utils.data import Dataset
 
 from hetero.balancer import Balancer
 from hetero.config import Config
@@ -21,6 +23,18 @@ CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
 # Small, fast defaults for CPU runs: tiny model, synthetic data, no augmentation noise in timing.
 TINY = ["--model", "tiny", "--data", "synthetic", "--subset", "2048", "--test-subset", "512",
         "--global-batch", "128", "--epochs", "2"]
+
+
+class Indexed(Dataset):
+    """n random 8-vectors with labels i % 3 and their own index (the tests record which samples a rank saw)."""
+    def __init__(self, n: int):
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], i % 3, i
 
 
 def _env() -> dict[str, str]:

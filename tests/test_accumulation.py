@@ -16,9 +16,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
+from conftest import Indexed
 from hetero.balancer import Balancer
 from hetero.config import Config, ConfigError
 from hetero.launch import free_port
@@ -122,7 +123,8 @@ def test_the_simulator_moves_counts_to_the_fast_rank():
 def test_the_bench_ideal_is_in_whole_micro_batches():
     import pandas as pd
 
-    from hetero.bench import Suite, cost_model
+    from hetero.bench import Suite
+    from hetero.efficiency import cost_model
 
     # rank 1 three times slower; each micro-batch of 8 costs a + 8c on rank 0
     rows = [{"epoch": 1, "step": s, "rank": r, "batch_size": b, "compute_s": (1 + 2 * r) * b / 8 * (0.01 + 8e-3),
@@ -249,17 +251,6 @@ def test_batch_norm_with_unequal_counts_broadcasts_once_per_step_on_every_rank(e
         assert r["bn"]["micro"] == [M] * (2 * COUNTS[rank]) and r["bn"]["syncs"] == 2
         assert r["bn"]["broadcasts"] == 2                                # one per step, whatever k_i
         assert r["bn"]["params"] == exact_runs[0]["bn"]["params"]
-
-
-class Indexed(Dataset):
-    def __init__(self, n: int):
-        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], i % 3, i
 
 
 def _coverage_worker(rank: int, out: str, world: int) -> None:

@@ -14,9 +14,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
+from conftest import Indexed
 from hetero.launch import free_port
 from hetero.sampler import EpochPlan
 
@@ -90,17 +91,6 @@ def _join(rank: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
-
-
-class Indexed(Dataset):
-    def __init__(self, n: int):
-        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], i % 3, i
 
 
 def _schedule_worker(rank: int, out: str) -> None:

@@ -111,6 +111,7 @@ SLOW_TESTS = {
     "test_api.py::test_decisions_reach_every_rank_at_the_same_step_with_loader_workers",
     "test_api.py::test_a_fixed_lag_shorter_than_the_prefetch_stops_every_rank",
     "test_exactness.py::test_sync_and_dp_give_the_equal_weight_mean",
+    "test_accumulation.py::test_the_trainer_accumulates_the_exact_global_batch_gradient",
     "test_gpu_path.py::test_delayed_rank_records_its_delay_as_compute_in_a_real_run",
     "test_simulator.py::test_balancers_notebook_runs",
 }

@@ -113,13 +113,19 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
 def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str, str, str], scheme: str, repeat: int,
                 notes: list[str]) -> dict:
     """One run of one row: its steady epoch time against its own ideal and slowest-rank bound."""
+    name = f"balance-w{world}-{effect[2].split(':')[1].replace('=', '')}-{scheme}-r{repeat}" + (
+        f"-m{suite.micro_batch}" if suite.micro_batch else "")
+    print(f"bench: {name}", flush=True)
+    d = train(suite, out, name, world, scheme, effect[2], notes)
+    return read_row(suite, d, calib, world, effect, scheme, repeat)
+
+
+def read_row(suite: "Suite", d: Path, calib, world: int, effect: tuple[str, str, str], scheme: str,
+             repeat: int) -> dict:
+    """A finished run folder's row (measure_row's figures; also for re-reading a bench whose report was lost)."""
     import pandas as pd
 
     kind, label, hetero = effect
-    name = f"balance-w{world}-{hetero.split(':')[1].replace('=', '')}-{scheme}-r{repeat}" + (
-        f"-m{suite.micro_batch}" if suite.micro_batch else "")
-    print(f"bench: {name}", flush=True)
-    d = train(suite, out, name, world, scheme, hetero, notes)
     ranks, steps = (pd.read_csv(d / f"{t}.csv") for t in ("ranks", "steps"))
     m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, kind, suite.micro_batch)
     steady = steady_epochs(d, suite.steady_from)

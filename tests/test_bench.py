@@ -58,7 +58,7 @@ def test_bench_quickest(tmp_path):
     assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
                                                         for n in (2, 4, 8, 16)}
     assert all(r["decision_ms"] > 0 for r in dec)
-    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "trainer", "api"}
+    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api"}
     assert (r["affinity"] == "") == (len(os.sched_getaffinity(0)) >= 2)  # pinned only when oversubscribed
 
 

@@ -37,6 +37,19 @@ class Indexed(Dataset):
         return self.x[i], i % 3, i
 
 
+def sgd_step(model, lr: float = 0.5) -> list[torch.Tensor]:
+    """One plain SGD step on the gradients already in `model`; its parameters, flattened (reference updates)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+def max_diff(got: list, want: list[torch.Tensor]) -> float:
+    """Largest absolute difference between parameters as lists (from a rank's JSON) and as tensors."""
+    return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
+
+
 def _env() -> dict[str, str]:
     return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
 

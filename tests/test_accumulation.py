@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
-from conftest import Indexed
+from conftest import Indexed, max_diff, sgd_step
 from hetero.balancer import Balancer
 from hetero.config import Config, ConfigError
 from hetero.launch import free_port
@@ -222,14 +222,7 @@ def _reference(weighted: bool) -> list[torch.Tensor]:
     else:
         cut = np.cumsum([0, *[M * k for k in COUNTS]])
         sum(F.cross_entropy(model(x[lo:hi]), y[lo:hi]) / len(COUNTS) for lo, hi in zip(cut, cut[1:])).backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.5 * p.grad
-    return [p.detach().flatten() for p in model.parameters()]
-
-
-def _diff(got: list, want: list[torch.Tensor]) -> float:
-    return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
+    return sgd_step(model)
 
 
 @pytest.fixture(scope="module")
@@ -239,11 +232,11 @@ def exact_runs(tmp_path_factory) -> list[dict]:
 
 def test_unequal_accumulation_gives_the_exact_global_batch_gradient(exact_runs):
     exact, mean = _reference(weighted=True), _reference(weighted=False)
-    assert _diff([p.tolist() for p in exact], mean) > 1e-3             # the test tells the two apart
+    assert max_diff([p.tolist() for p in exact], mean) > 1e-3             # the test tells the two apart
     for rank, r in enumerate(exact_runs):
         assert r["edp"]["micro"] == [M] * COUNTS[rank] and r["edp"]["syncs"] == 1
-        assert _diff(r["edp"]["params"], exact) < 1e-5
-        assert _diff(r["sync"]["params"], mean) < 1e-5                   # unweighted: the mean of rank means
+        assert max_diff(r["edp"]["params"], exact) < 1e-5
+        assert max_diff(r["sync"]["params"], mean) < 1e-5                   # unweighted: the mean of rank means
 
 
 def test_batch_norm_with_unequal_counts_broadcasts_once_per_step_on_every_rank(exact_runs):

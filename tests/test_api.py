@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
-from conftest import Indexed
+from conftest import Indexed, max_diff, sgd_step
 from hetero.launch import free_port
 from hetero.sampler import EpochPlan
 
@@ -218,25 +218,18 @@ def _reference(weighted: bool, clip: float | None = None) -> list[torch.Tensor]:
         (0.5 * F.cross_entropy(model(x[:5]), y[:5]) + 0.5 * F.cross_entropy(model(x[5:]), y[5:])).backward()
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    with torch.no_grad():
-        for p in model.parameters():
-            p -= 0.5 * p.grad
-    return [p.detach().flatten() for p in model.parameters()]
-
-
-def _diff(got: list, want: list[torch.Tensor]) -> float:
-    return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
+    return sgd_step(model)
 
 
 def test_edp_step_equals_single_process_sgd_and_scaler_and_clipping_keep_it(tmp_path):
     r = _spawn(_exact_worker, tmp_path)
     assert r[0]["sizes"] == [5, 27]
     exact, mean = _reference(weighted=True), _reference(weighted=False)
-    assert _diff([p.tolist() for p in exact], mean) > 1e-3      # the test tells the two apart
+    assert max_diff([p.tolist() for p in exact], mean) > 1e-3      # the test tells the two apart
     for rank in r:
-        assert _diff(rank["edp"], exact) < 1e-5
-        assert _diff(rank["sync"], mean) < 1e-5
-        assert _diff(rank["scaler_clip"], _reference(weighted=True, clip=0.05)) < 1e-5
+        assert max_diff(rank["edp"], exact) < 1e-5
+        assert max_diff(rank["sync"], mean) < 1e-5
+        assert max_diff(rank["scaler_clip"], _reference(weighted=True, clip=0.05)) < 1e-5
         assert "gradient accumulation (no_sync) is not supported" in rank["accumulation"]
 
 

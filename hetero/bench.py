@@ -63,6 +63,9 @@ class Suite:
             raise ValueError("need micro_batch >= 0 dividing batch_per_rank")
         if bad := [p for p in self.parts if p not in PARTS]:
             raise ValueError(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
+        if self.pin and "balance" in self.parts and max(self.worlds) > 2 * len(os.sched_getaffinity(0)):
+            raise ValueError(f"{max(self.worlds)} pinned ranks put more than 2 on a core, beyond the shared-core cost "
+                             f"model (hetero.coupled): use fewer ranks or --no-pin")
 
 
 QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
@@ -132,7 +135,8 @@ def table(res: dict) -> str:
               f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])]
              for r in summ])
         pinned = sorted({(r["world"], r["affinity"]) for r in summ if r["affinity"]})
-        lines += [""] + [f"{w} ranks pinned to cores {a} (--affinity)." for w, a in pinned] + [""]
+        lines += [""] + [f"{w} ranks pinned to cores {a} (--affinity); the cost model shares each core between its "
+                         f"ranks (hetero.coupled)." for w, a in pinned] + [""]
     if cmp := res.get("affine_vs_dp"):
         lines += ["## affine against dp (median epoch / ideal; spread = max - min over the repeats)", ""]
         lines += markdown_table(

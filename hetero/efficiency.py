@@ -4,6 +4,7 @@ benchmarks, for the method).
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -14,7 +15,9 @@ import numpy as np
 from . import noisefit
 from .launch import clean_env, torchrun_cmd
 from .measure import add_speedup_vs_sync, launch, steady_epochs
-from .partition import affine_batch_sizes, batch_sizes, predicted_step_s
+from .coupled import coupled_batch_sizes, finish_s, fit_scale
+from .emulator import mean_effects, parse_hetero
+from .partition import batch_sizes
 
 if TYPE_CHECKING:
     from .bench import Suite
@@ -79,35 +82,66 @@ def effects(suite: "Suite", world: int, calib: tuple[float, float]) -> list[tupl
                for f in suite.delays])
 
 
-def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int, kind: str = "slowdown",
-               micro_batch: int = 0) -> dict:
-    """One run's cost model from its steps.csv (steady-state steps): rank i costs s_i x (a + c x b) seconds, plus its
-    mean constant delay for kind "delay"; the ideal and equal-share step times, the all-reduce time and the jitter
-    (README: benchmarks). A slowdown scales a rank's own compute, so it stays in s_i. With micro-batches of m a rank
-    runs b/m of them, each a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches."""
+def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int, hetero: str = "",
+               cores=None, micro_batch: int = 0) -> dict:
+    """One run's cost model from its steps.csv (steady-state steps; README: benchmarks). Rank i's CPU work for a
+    batch b is s_i x (a + c x b) core-seconds; ranks sharing a core (`cores`, a label per rank; None: a core each)
+    share it fairly (hetero.coupled), and a rank's step ends at F_i x its compute wall + d_i: F_i its emulated
+    slowdown (from `hetero`), d_i its mean measured sleep beyond that. s_i is fitted from the measured compute walls
+    (compute_s - delay_s) with the sharing undone. Gives the ideal and equal-share step times, the all-reduce time,
+    the jitter, and the balancer's own misallocation. With micro-batches of m a rank runs b/m of them, each
+    a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches."""
     a, c = calib
     unit = max(micro_batch, 1)
     if micro_batch:
         a, c = 0.0, c + a / unit
     world = steps["rank"].nunique()
-    steady = steps[steps.epoch >= steady_from].assign(
-        work_s=lambda s: s.compute_s - (s.delay_s if kind == "delay" else 0.0))
-    by_rank, per_step = steady.groupby("rank"), steady.groupby(["epoch", "step"])
-    scale = (by_rank.work_s.sum() / by_rank.batch_size.apply(lambda b: (a + c * b).sum())).to_numpy()
-    delay = by_rank.delay_s.mean().to_numpy() if kind == "delay" else np.zeros(world)
-    fixed, per = scale * a + delay, scale * c
-    best = affine_batch_sizes(fixed, per, global_batch, granularity=unit)
+    cores = list(range(world)) if cores is None else list(cores)
+    steady = steps[steps.epoch >= steady_from]
+    if "delay_s" not in steady:
+        steady = steady.assign(delay_s=0.0)
+    per_step = steady.groupby(["epoch", "step"])
+    grid = lambda col: steady.pivot_table(index=["epoch", "step"], columns="rank", values=col).to_numpy()  # noqa
+    sizes, compute, slept = grid("batch_size"), grid("compute_s"), grid("delay_s")
+    walls = compute - slept
+    on = sizes > 0
+    scale = fit_scale(walls, np.where(on, a + c * sizes, 0.0), cores)
+    factor, delay = _sleeps(hetero, walls, slept, on)
+    fixed, per = scale * a, scale * c
+    model = (fixed, per, global_batch, cores, factor, delay)
+    best = coupled_batch_sizes(*model, granularity=unit)
     equal = batch_sizes(np.ones(world), global_batch, granularity=unit)
-    sizes = steady.pivot_table(index=["epoch", "step"], columns="rank", values="batch_size").to_numpy()
+    T = lambda b: finish_s(fixed, per, b, cores, factor, delay).max(-1)  # noqa: E731
+    ideal_s = float(T(best))
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
-            "ideal_sizes": best.tolist(), "ideal_step_s": predicted_step_s(fixed, per, best),
-            "sync_step_s": predicted_step_s(fixed, per, equal),
+            "factor": factor.tolist(), "delay_s": delay.tolist(), "cores": cores,
+            "ideal_sizes": best.tolist(), "ideal_step_s": ideal_s, "sync_step_s": float(T(equal)),
             "allreduce_s": float(per_step.wait_s.min().mean()),
             # per-step variation no per-rank share removes: mean of the per-step slowest minus slowest mean
-            "jitter_s": float(per_step.compute_s.max().mean() - by_rank.compute_s.mean().max()),
+            "jitter_s": float(compute.max(1).mean() - compute.mean(0).max()),
             # the balancer's part: the model's slowest step at the sizes it chose over T*, and how often they moved
-            "misallocation_s": float((sizes * per + fixed).max(1).mean() - predicted_step_s(fixed, per, best)),
+            "misallocation_s": float(T(sizes).mean() - ideal_s),
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
+
+
+def _MEAN_DELAY(effect) -> float:  # noqa: N802
+    return float(mean_effects([effect])[1][0])
+
+
+def _sleeps(hetero: str, walls: np.ndarray, slept: np.ndarray, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[n] each: F_i and d_i as the run slept them ([T, n] walls, sleeps and steps taken part in). A rank with a
+    slowdown in `hetero` sleeps (F - 1) x its own compute (F measured: sleeps over walls, less its constant
+    delays); every other sleep is a delay (measured: its mean per step, oversleeping included)."""
+    world = walls.shape[1]
+    slows = {r for r, es in parse_hetero(hetero).items() for e in es if e.kind == "slowdown" and r < world}
+    steps = np.maximum(on.sum(0), 1)
+    factor = np.ones(world)
+    for r in slows:
+        fixed = sum(_MEAN_DELAY(e) for e in parse_hetero(hetero)[r])
+        factor[r] = 1 + max(float(((slept[:, r] - fixed) * on[:, r]).sum() / max((walls[:, r] * on[:, r]).sum(),
+                                                                                   1e-12)), 0.0)
+    delay = np.maximum(((slept - (factor - 1) * walls) * on).sum(0) / steps, 0.0)
+    return factor, delay
 
 
 def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str, str, str], scheme: str, repeat: int,
@@ -127,7 +161,9 @@ def read_row(suite: "Suite", d: Path, calib, world: int, effect: tuple[str, str,
 
     kind, label, hetero = effect
     ranks, steps = (pd.read_csv(d / f"{t}.csv") for t in ("ranks", "steps"))
-    m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, kind, suite.micro_batch)
+    pinned = json.loads((d / "config.json").read_text())["config"].get("affinity") or ""
+    cores = pinned.split(",") if len(pinned.split(",")) == world else None  # ranks pinned to one core are coupled
+    m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, hetero, cores, suite.micro_batch)
     steady = steady_epochs(d, suite.steady_from)
     n = int(steady[0]["steps"])
     ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])

@@ -1,8 +1,8 @@
 """The noise a real run saw, fitted from its steps.csv, and the run replayed in the simulator with that noise.
 
-A rank's jitter at a step is its measured compute_s over its expected cost fixed_s + per_sample_s x b (the bench's
-cost model: hetero.bench.cost_model); the emulated slowdown multiplies the rank's own measured compute, so the slow
-rank's jitter is in its compute_s, scaled. Fitted per rank: the spread and skew of log jitter, its lag-1
+A rank's jitter at a step is its measured compute wall (compute_s less the emulator's sleep) over its expected one,
+fixed_s + per_sample_s x b shared with its core-mates (the bench's cost model: hetero.efficiency.cost_model, and
+hetero.coupled); the replay puts the emulated slowdown (a factor on the jittered wall) and delay back on top. Fitted per rank: the spread and skew of log jitter, its lag-1
 autocorrelation within an epoch, and the correlation across ranks at one step (ranks sharing a core). The replay
 draws the jitter by a circular block bootstrap of whole steps (every rank at once), so the tail, the time correlation
 within a block and the cross-rank correlation are the run's own; `NoiseFit.ar1` is the parametric alternative
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .partition import affine_batch_sizes, predicted_step_s
+from .coupled import coupled_batch_sizes, finish_s, shared_walls
 from .simulator import Scenario, simulate
 
 
@@ -95,17 +95,21 @@ def fit_jitter(jitter: np.ndarray, epoch: np.ndarray) -> NoiseFit:
     return NoiseFit(jitter, epoch, sd, skew, phi, np.atleast_2d(corr))
 
 
-def fit_steps(steps: pd.DataFrame, fixed_s, per_sample_s, steady_from: int = 1) -> NoiseFit:
-    """The jitter of a run's steps.csv (epochs >= steady_from) against per-rank costs fixed_s + per_sample_s x b."""
+def fit_steps(steps: pd.DataFrame, fixed_s, per_sample_s, steady_from: int = 1, cores=None) -> NoiseFit:
+    """The jitter of a run's steps.csv (epochs >= steady_from): each rank's measured compute wall (compute_s less the
+    emulator's sleep, delay_s) over its expected one, fixed_s + per_sample_s x b shared with its core-mates (cores:
+    a label per rank, hetero.coupled; None: a core each)."""
     s = steps[steps.epoch >= steady_from].sort_values(["epoch", "step", "rank"])
     world = s["rank"].nunique()
     if s.empty or len(s) % world:
         raise ValueError("steps.csv has no steady steps, or a step without every rank")
-    compute = s.compute_s.to_numpy().reshape(-1, world)
+    wall = (s.compute_s - (s.delay_s if "delay_s" in s else 0.0)).to_numpy().reshape(-1, world)
     batch = s.batch_size.to_numpy().reshape(-1, world)
     expected = np.asarray(fixed_s, float) + np.asarray(per_sample_s, float) * batch
+    if cores is not None:
+        expected = shared_walls(np.where(batch > 0, expected, 0.0), cores)
     sat = batch == 0  # a rank sitting out computes two borrowed samples: no use for its jitter
-    jitter = np.where(sat, 1.0, compute / np.where(sat, 1.0, expected))
+    jitter = np.where(sat, 1.0, np.maximum(wall, 1e-9) / np.where(sat, 1.0, np.maximum(expected, 1e-12)))
     return fit_jitter(jitter, s.epoch.to_numpy()[::world])
 
 
@@ -121,12 +125,25 @@ class _Replayed:
         return self.fit.sample(rng, steps, self.block, self.epoch_steps)
 
 
-def ideal_costs(fixed_s, per_sample_s, global_batch: int, allreduce_s: float = 0.0) -> dict:
-    """A cost model as hetero.bench.cost_model gives one, for known per-rank costs (s): T* without any noise."""
+def ideal_costs(fixed_s, per_sample_s, global_batch: int, allreduce_s: float = 0.0, cores=None) -> dict:
+    """A cost model as hetero.efficiency.cost_model gives one, for known per-rank costs (s) and no emulated
+    effects: T* without any noise (cores: ranks sharing a CPU core, hetero.coupled)."""
     fixed, per = np.asarray(fixed_s, float), np.asarray(per_sample_s, float)
-    best = affine_batch_sizes(fixed, per, global_batch)
-    return {"fixed_s": fixed.tolist(), "per_sample_s": per.tolist(), "allreduce_s": float(allreduce_s),
-            "ideal_sizes": best.tolist(), "ideal_step_s": predicted_step_s(fixed, per, best)}
+    cores = list(range(len(fixed))) if cores is None else list(cores)
+    best = coupled_batch_sizes(fixed, per, global_batch, cores)
+    return {"fixed_s": fixed.tolist(), "per_sample_s": per.tolist(), "factor": [1.0] * len(fixed),
+            "delay_s": [0.0] * len(fixed), "cores": cores, "allreduce_s": float(allreduce_s),
+            "ideal_sizes": best.tolist(), "ideal_step_s": float(finish_s(fixed, per, best, cores).max())}
+
+
+def scenario(cost_model: dict, noise=0.0) -> Scenario:
+    """The simulator's Scenario of a cost model: its costs, its shared cores, its slowdowns and delays as effects."""
+    world = len(cost_model["fixed_s"])
+    factor, delay = cost_model.get("factor", [1.0] * world), cost_model.get("delay_s", [0.0] * world)
+    spec = ",".join([f"{i}:slowdown={f:.9g}" for i, f in enumerate(factor) if f != 1]
+                    + [f"{i}:delay={d:.9g}" for i, d in enumerate(delay) if d > 0])
+    return Scenario(np.asarray(cost_model["fixed_s"], float), np.asarray(cost_model["per_sample_s"], float),
+                    noise=noise, hetero=spec, cores=cost_model.get("cores"))
 
 
 def over_ideal(scheme: str, global_batch: int, epochs: int, steps_per_epoch: int, cost_model: dict, noise,
@@ -134,10 +151,9 @@ def over_ideal(scheme: str, global_batch: int, epochs: int, steps_per_epoch: int
     """[seeds] simulated steady epoch time over the ideal, the bench's definitions: per seed, the median over
     epochs >= steady_from of sum(slowest compute + A + rest_s), over steps x (T* + A). noise: a float (lognormal
     sigma) or a process with .sample(rng, steps); kw: simulate()'s balancer settings."""
-    fixed, per = np.asarray(cost_model["fixed_s"], float), np.asarray(cost_model["per_sample_s"], float)
     A = cost_model["allreduce_s"]
     ideal_s = steps_per_epoch * (cost_model["ideal_step_s"] + A)
-    sc = Scenario(fixed, per, noise=noise)
+    sc = scenario(cost_model, noise)
     out = []
     for seed in range(seeds):
         r = simulate(sc, scheme, global_batch, epochs, steps_per_epoch, seed=seed, **kw)
@@ -155,7 +171,8 @@ def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 64
     run_dir = Path(run_dir)
     cfg = json.loads((run_dir / "config.json").read_text())["config"]
     steps, epochs = pd.read_csv(run_dir / "steps.csv"), pd.read_csv(run_dir / "epochs.csv")
-    fit = noise or fit_steps(steps, cost_model["fixed_s"], cost_model["per_sample_s"], steady_from)
+    fit = noise or fit_steps(steps, cost_model["fixed_s"], cost_model["per_sample_s"], steady_from,
+                             cost_model.get("cores"))
     n_steps = int(epochs.steps.iloc[-1])
     steady = epochs[epochs.epoch >= steady_from]
     # What the step model (slowest compute + A) leaves out of the measured epoch: the step loop's own bookkeeping

@@ -1,6 +1,7 @@
 """A step-level simulator of synchronous data-parallel training on heterogeneous workers (no processes, no torch).
 
-Rank i computes a step of batch b in (fixed_s_i + per_sample_s_i * b) seconds, times lognormal noise (mean 1),
+Rank i computes a step of batch b in (fixed_s_i + per_sample_s_i * b) seconds (shared with its core-mates under
+processor sharing when Scenario.cores says ranks share a CPU core: hetero.coupled), times lognormal noise (mean 1),
 plus the emulator's effects on that rank (`--hetero` grammar: delay, exp, gamma, slowdown, with epoch, step and
 cycle windows). A step lasts as long as its slowest rank; the others idle. The scheme's Balancer, the very class
 the trainer uses, sees each rank's own time and re-decides at the same points as the trainer: every
@@ -17,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from .balancer import Balancer
+from .coupled import coupled_batch_sizes, shared_walls
 from .emulator import active as emulator_windows, mean_effects, parse_hetero, sample_effects
 from .partition import SCHEMES, affine_batch_sizes, step_times
 
@@ -36,6 +38,8 @@ class Scenario:
     # process with .sample(rng, steps) -> [steps, n] (mean 1), drawn once per run (noisefit: a real run's jitter)
     hetero: str = ""                     # emulator effects, the --hetero grammar, e.g. "1:delay=0.01@3-"
     name: str = ""
+    cores: list | None = None            # a core label per rank: ranks with one label share a CPU core (their
+    # compute times are coupled: hetero.coupled); None: every rank has its own
 
     def __post_init__(self):
         self.fixed_s = np.asarray(self.fixed_s, float)
@@ -48,6 +52,8 @@ class Scenario:
         self.ranks, self.effects = [r for r, _ in pairs], [e for _, e in pairs]
         if any(r >= self.world for r in self.ranks):
             raise ValueError(f"hetero {self.hetero!r} names a rank outside the {self.world} workers")
+        if self.cores is not None and len(self.cores) != self.world:
+            raise ValueError(f"cores names {len(self.cores)} ranks, not {self.world}")
 
     @property
     def world(self) -> int:
@@ -75,9 +81,26 @@ class Scenario:
 
     def mean_costs(self, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """True mean fixed and per-sample costs [n] (s) with the effects flagged in `on` [effects] (the oracle's)."""
+        slow, delay = self.mean_effects(on)
+        return self.fixed_s * slow + delay, self.per_sample_s * slow
+
+    def mean_effects(self, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[n] each, with the effects flagged in `on` [effects]: the factor on compute and the mean delay (s)."""
         factor, mean = mean_effects(self.effects)
-        slow, delay = self._per_rank((factor * on)[:, None])[0], self._per_rank((mean * on)[:, None])[0]
-        return self.fixed_s * (1 + slow) + delay, self.per_sample_s * (1 + slow)
+        return 1 + self._per_rank((factor * on)[:, None])[0], self._per_rank((mean * on)[:, None])[0]
+
+    def compute_s(self, sizes: np.ndarray) -> np.ndarray:
+        """[steps, n] each rank's compute time (s) without noise or effects, shared cores taken into account."""
+        t = step_times(self.fixed_s, self.per_sample_s, sizes)
+        return t if self.cores is None else shared_walls(t, self.cores)
+
+    def optimum_sizes(self, on: np.ndarray, global_batch: int, min_batch, max_batch, sit_out: bool,
+                      unit: int) -> np.ndarray:
+        """The oracle: minimax-optimal integer sizes for the true mean costs with the effects flagged in `on`."""
+        if self.cores is None:
+            return affine_batch_sizes(*self.mean_costs(on), global_batch, min_batch, max_batch, sit_out, unit)
+        return coupled_batch_sizes(self.fixed_s, self.per_sample_s, global_batch, self.cores, *self.mean_effects(on),
+                                   min_batch, max_batch, sit_out, unit)
 
     def draw(self, rng: np.random.Generator, on: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For a block of steps, [steps, n] each: the noise on compute (mean 1), the factor on compute (1 + the
@@ -182,18 +205,17 @@ def simulate(scenario: Scenario, scheme: str, global_batch: int, epochs: int, st
             noise, slow, delay = scenario.draw(rng, active)
             if process is not None:
                 noise = process[g]
-            t = step_times(scenario.fixed_s, scenario.per_sample_s, sizes) * noise * slow + delay * (sizes > 0)
+            t = scenario.compute_s(sizes) * noise * slow + delay * (sizes > 0)
             res.sizes[g], res.step_s[g] = sizes, t.max(1)
             res.idle_frac[g] = 1 - t.mean(1) / res.step_s[g]
             for key in np.unique(active, axis=1).T:  # the oracle, once per distinct set of active effects
                 cols = (active == key[:, None]).all(0)
                 k = key.tobytes()
                 if k not in oracle:
-                    a, c = scenario.mean_costs(key)
-                    oracle[k] = affine_batch_sizes(a, c, global_batch, min_batch, max_batch, sit_out, unit)
+                    oracle[k] = scenario.optimum_sizes(key, global_batch, min_batch, max_batch, sit_out, unit)
                 b = oracle[k]
-                res.optimum_s[g[cols]] = (step_times(scenario.fixed_s, scenario.per_sample_s, b) * noise[cols]
-                                          * slow[cols] + delay[cols] * (b > 0)).max(1)
+                res.optimum_s[g[cols]] = (scenario.compute_s(b[None]) * noise[cols] * slow[cols]
+                                          + delay[cols] * (b > 0)).max(1)
             if hi < steps_per_epoch or bal.rule != "static":  # as the trainer: mid-epoch cuts, then epoch ends
                 t0 = time.perf_counter()
                 bal.observe(sizes, t)

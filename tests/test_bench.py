@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import ROOT, _env
 
@@ -182,20 +183,48 @@ def _steps_frame(fixed, per, delay, sizes, steps=8):
     return pd.DataFrame(rows)
 
 
-def test_cost_model_counts_a_constant_delay_as_fixed_cost_and_a_slowdown_as_scale():
+def test_cost_model_separates_a_constant_delay_and_a_slowdown_from_the_work():
     from hetero.efficiency import cost_model
 
     a, c = 0.004, 0.0005
-    # rank 1 sleeps 0.05 s per step: its own work is like rank 0's, its fixed cost is a + 0.05
-    m = cost_model(_steps_frame([a, a], [c, c], [0.0, 0.05], [96, 32]), (a, c), 128, 2, kind="delay")
-    assert m["scale"] == pytest.approx([1.0, 1.0]) and m["fixed_s"] == pytest.approx([a, a + 0.05])
+    # rank 1 sleeps 0.05 s per step: its own work is like rank 0's, the sleep is its delay
+    m = cost_model(_steps_frame([a, a], [c, c], [0.0, 0.05], [96, 32]), (a, c), 128, 2, hetero="1:delay=0.05")
+    assert m["scale"] == pytest.approx([1.0, 1.0]) and m["fixed_s"] == pytest.approx([a, a])
+    assert m["factor"] == [1.0, 1.0] and m["delay_s"] == pytest.approx([0.0, 0.05])
     assert m["allreduce_s"] == pytest.approx(0.001)
     assert sum(m["ideal_sizes"]) == 128 and m["ideal_sizes"][1] < 32  # the delay must cost it samples
     assert m["size_changes"] == 0 and m["misallocation_s"] == pytest.approx(  # [96, 32] is not the optimum
         max(a + c * 96, a + 0.05 + c * 32) - m["ideal_step_s"]) and m["misallocation_s"] > 0.001
-    # the same times read as a slowdown: the sleep scales the rank's cost (the slowdown emulator's meaning)
-    s = cost_model(_steps_frame([a, a], [c, c], [0.0, 0.05], [96, 32]), (a, c), 128, 2)
-    assert s["scale"][1] == pytest.approx((a + c * 32 + 0.05) / (a + c * 32)) and s["fixed_s"][1] > a
+    # rank 1 3x slower: it slept 2 x its own compute; the factor is measured, its work is still rank 0's
+    own = a + c * 32
+    s = cost_model(_steps_frame([a, a], [c, c], [0.0, 2 * own], [96, 32]), (a, c), 128, 2, hetero="1:slowdown=3")
+    assert s["scale"] == pytest.approx([1.0, 1.0]) and s["factor"] == pytest.approx([1.0, 3.0])
+    assert s["delay_s"] == pytest.approx([0.0, 0.0], abs=1e-12)
+    assert s["ideal_step_s"] == pytest.approx(max(a + c * s["ideal_sizes"][0], 3 * (a + c * s["ideal_sizes"][1])))
+
+
+def test_cost_model_of_ranks_sharing_a_core():
+    """4 ranks on 2 cores (0,0,1,1), rank 3 delayed: times made by processor sharing are read back exactly, and the
+    ideal moves rank 3's work to its core-mate, which a per-rank model cannot see."""
+    import pandas as pd
+
+    from hetero.coupled import coupled_batch_sizes, finish_s, shared_walls
+    from hetero.efficiency import cost_model
+
+    a, c, d, cores = 0.002, 0.001, 0.3, ["0", "0", "1", "1"]
+    sizes = np.array([[128, 128, 128, 128], [140, 120, 200, 52], [100, 150, 230, 32]] * 4)
+    walls = shared_walls(a + c * sizes, cores)
+    rows = [{"epoch": 1, "step": t, "rank": i, "batch_size": int(sizes[t, i]), "delay_s": d * (i == 3),
+             "compute_s": walls[t, i] + d * (i == 3), "wait_s": 0.001} for t in range(len(sizes)) for i in range(4)]
+    m = cost_model(pd.DataFrame(rows), (a, c), 512, 1, hetero="3:delay=0.3", cores=cores)
+    assert m["scale"] == pytest.approx([1, 1, 1, 1]) and m["delay_s"] == pytest.approx([0, 0, 0, d])
+    best = coupled_batch_sizes([a] * 4, [c] * 4, 512, cores, 1.0, [0, 0, 0, d])
+    assert m["ideal_step_s"] == pytest.approx(finish_s([a] * 4, [c] * 4, best, cores, 1.0, [0, 0, 0, d]).max())
+    assert m["ideal_sizes"][3] == best[3] == 1 and m["ideal_sizes"][2] > 256  # core 1 does more than core 0
+    assert m["misallocation_s"] == pytest.approx(
+        finish_s([a] * 4, [c] * 4, sizes, cores, 1.0, [0, 0, 0, d]).max(1).mean() - m["ideal_step_s"])
+    alone = cost_model(pd.DataFrame(rows), (a, c), 512, 1, hetero="3:delay=0.3")  # the sharing ignored
+    assert alone["scale"][0] > 1.5  # ranks 0 and 1 look twice as slow as they are
 
 
 def test_summary_and_affine_against_dp_over_repeats():

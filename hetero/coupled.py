@@ -88,7 +88,6 @@ def coupled_batch_sizes(fixed_s, per_sample_s, global_batch: int, cores, factor=
         units, lo, hi = global_batch, _as_bounds(n, min_batch, 0), _as_bounds(n, max_batch, np.inf)
     u = np.arange(units + 1)
     allowed = ((u[None, :] >= lo[:, None]) & (u[None, :] <= hi[:, None])) | ((u[None, :] == 0) & sit_out)
-    big = np.inf
     best, splits = None, []  # best[t]: the slowest finish of the cores so far with t units among them
     for g in groups(cores):
         if len(g) > 2:
@@ -96,14 +95,14 @@ def coupled_batch_sizes(fixed_s, per_sample_s, global_batch: int, cores, factor=
         work = np.where(u > 0, a[g, None] + c[g, None] * m * u, 0.0)  # [k, units+1]
         if len(g) == 1:
             t = np.where(u > 0, f[g[0]] * work[0] + d[g[0]], 0.0)
-            core, split = np.where(allowed[g[0]], t, big), u[:, None]
+            core, split = np.where(allowed[g[0]], t, np.inf), u[:, None]
         else:
             p, q = g
             wp, wq = work[0][:, None], work[1][None, :]
             both = np.minimum(wp, wq)
             tp = np.where(u[:, None] > 0, f[p] * (wp + both) + d[p], 0.0)
             tq = np.where(u[None, :] > 0, f[q] * (wq + both) + d[q], 0.0)
-            grid = np.where(allowed[p][:, None] & allowed[q][None, :], np.maximum(tp, tq), big)
+            grid = np.where(allowed[p][:, None] & allowed[q][None, :], np.maximum(tp, tq), np.inf)
             core, arg = _antidiagonal_min(grid, units)
             split = np.stack([arg, u - arg], 1)
         if best is None:

@@ -108,8 +108,7 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     scale = fit_scale(walls, np.where(on, a + c * sizes, 0.0), cores)
     factor, delay = _sleeps(hetero, walls, slept, on)
     fixed, per = scale * a, scale * c
-    model = (fixed, per, global_batch, cores, factor, delay)
-    best = coupled_batch_sizes(*model, granularity=unit)
+    best = coupled_batch_sizes(fixed, per, global_batch, cores, factor, delay, granularity=unit)
     equal = batch_sizes(np.ones(world), global_batch, granularity=unit)
     T = lambda b: finish_s(fixed, per, b, cores, factor, delay).max(-1)  # noqa: E731
     ideal_s = float(T(best))
@@ -124,23 +123,17 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
 
 
-def _MEAN_DELAY(effect) -> float:  # noqa: N802
-    return float(mean_effects([effect])[1][0])
-
-
 def _sleeps(hetero: str, walls: np.ndarray, slept: np.ndarray, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[n] each: F_i and d_i as the run slept them ([T, n] walls, sleeps and steps taken part in). A rank with a
     slowdown in `hetero` sleeps (F - 1) x its own compute (F measured: sleeps over walls, less its constant
     delays); every other sleep is a delay (measured: its mean per step, oversleeping included)."""
-    world = walls.shape[1]
-    slows = {r for r, es in parse_hetero(hetero).items() for e in es if e.kind == "slowdown" and r < world}
-    steps = np.maximum(on.sum(0), 1)
-    factor = np.ones(world)
-    for r in slows:
-        fixed = sum(_MEAN_DELAY(e) for e in parse_hetero(hetero)[r])
-        factor[r] = 1 + max(float(((slept[:, r] - fixed) * on[:, r]).sum() / max((walls[:, r] * on[:, r]).sum(),
-                                                                                   1e-12)), 0.0)
-    delay = np.maximum(((slept - (factor - 1) * walls) * on).sum(0) / steps, 0.0)
+    factor = np.ones(walls.shape[1])
+    for r, effects in parse_hetero(hetero).items():
+        if r < len(factor) and any(e.kind == "slowdown" for e in effects):
+            fixed = float(mean_effects(effects)[1].sum())  # its constant and random delays' means
+            over = ((slept[:, r] - fixed) * on[:, r]).sum() / max((walls[:, r] * on[:, r]).sum(), 1e-12)
+            factor[r] = 1 + max(float(over), 0.0)
+    delay = np.maximum(((slept - (factor - 1) * walls) * on).sum(0) / np.maximum(on.sum(0), 1), 0.0)
     return factor, delay
 
 
@@ -162,7 +155,8 @@ def read_row(suite: "Suite", d: Path, calib, world: int, effect: tuple[str, str,
     kind, label, hetero = effect
     ranks, steps = (pd.read_csv(d / f"{t}.csv") for t in ("ranks", "steps"))
     pinned = json.loads((d / "config.json").read_text())["config"].get("affinity") or ""
-    cores = pinned.split(",") if len(pinned.split(",")) == world else None  # ranks pinned to one core are coupled
+    one = pinned.split(",")  # one core per rank: ranks pinned to the same core are coupled (a core set is not)
+    cores = one if len(one) == world and all(x.strip().isdigit() for x in one) else None
     m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, hetero, cores, suite.micro_batch)
     steady = steady_epochs(d, suite.steady_from)
     n = int(steady[0]["steps"])

@@ -2,11 +2,11 @@
 
 A rank's jitter at a step is its measured compute wall (compute_s less the emulator's sleep) over its expected one,
 fixed_s + per_sample_s x b shared with its core-mates (the bench's cost model: hetero.efficiency.cost_model, and
-hetero.coupled); the replay puts the emulated slowdown (a factor on the jittered wall) and delay back on top. Fitted per rank: the spread and skew of log jitter, its lag-1
-autocorrelation within an epoch, and the correlation across ranks at one step (ranks sharing a core). The replay
-draws the jitter by a circular block bootstrap of whole steps (every rank at once), so the tail, the time correlation
-within a block and the cross-rank correlation are the run's own; `NoiseFit.ar1` is the parametric alternative
-(correlated Gaussian AR(1) on log jitter: no skew). README: "Replaying a bench run".
+hetero.coupled); the replay puts the emulated slowdown (a factor on the jittered wall) and delay back on top.
+Fitted per rank: the spread and skew of log jitter, its lag-1 autocorrelation within an epoch, and the correlation
+across ranks at one step (ranks sharing a core). The replay draws the jitter by a circular block bootstrap of whole
+steps (every rank at once), so the tail, the time correlation within a block and the cross-rank correlation are the
+run's own; `NoiseFit.ar1` is the parametric alternative (correlated Gaussian AR(1) on log jitter: no skew). README: "Replaying a bench run".
 """
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def _trained(tmp_path, sizes, scheme) -> dict[str, torch.Tensor]:
                "--global-batch", str(B), "--epochs", "1", "--lr", str(LR), "--momentum", "0",
                "--weight-decay", "0", "--augment", "false", "--seed", str(SEED), "--scheme", scheme,
                "--replay", str(replay), "--run-dir", str(run)], nproc=len(sizes))
-    return torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+    return torch.load(run / "checkpoint.pt", weights_only=True)["model"]
 
 
 def _max_diff(a, b):

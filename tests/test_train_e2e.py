@@ -13,7 +13,7 @@ from hetero.train import evaluate
 
 from conftest import read_run, replay_decisions, run_train
 
-ARGS = ["--model", "tiny", "--data", "synthetic", "--subset", "8192", "--test-subset", "1000",
+ARGS = ["--model", "tiny", "--data", "synthetic", "--subset", "4096", "--test-subset", "1000",
         "--global-batch", "512", "--epochs", "3", "--threads", "1", "--scheme", "dp", "--hetero", "1:slowdown=8"]
 
 EPOCH_COLS = {"epoch", "train_time_s", "epoch_time_s", "eval_time_s", "train_loss", "train_top1", "test_loss",
@@ -66,7 +66,7 @@ def test_run_folder_has_every_file_and_column(run):
     steps = r["steps"].groupby(["epoch", "rank"]).agg(batch=("batch_size", "sum"), n=("step", "count"))
     ranks = r["ranks"].set_index(["epoch", "rank"])
     assert (steps.batch == ranks.samples).all() and (steps.n == ranks.steps).all()
-    assert (r["ranks"].groupby("epoch").samples.sum() == 8192 // 512 * 512).all()
+    assert (r["ranks"].groupby("epoch").samples.sum() == 4096 // 512 * 512).all()
 
 
 def test_fast_rank_compute_excludes_waiting(run):
@@ -80,8 +80,8 @@ def test_fast_rank_compute_excludes_waiting(run):
 def test_distributed_evaluation_equals_single_process(run):
     r = read_run(run)
     model = build_model("tiny")
-    model.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=False)["model"])
-    data = load_data("synthetic", "data", subset=8192, test_subset=1000)
+    model.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=True)["model"])
+    data = load_data("synthetic", "data", subset=4096, test_subset=1000)
     loader = DeviceLoader(data.test_x, data.test_y, data.mean, data.std, torch.device("cpu"), augment=False)
     loss, top1, top5, n = evaluate(model, loader, batch=333).tolist()
     last = r["epochs"].iloc[-1]

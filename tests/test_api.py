@@ -146,8 +146,8 @@ def test_decisions_reach_every_rank_at_the_same_step_with_loader_workers(schedul
     # workers run ahead: a decision after step s is cut from a later step than s + 1, never an earlier one
     assert all(x["effective"] >= x["epoch"] * 10 + x["step"] + 1 for x in d)
     assert d[0]["effective"] > 2
-    # every step is cut with the sizes of the latest decision in effect there (even-split before the first); the
-    # first decision may itself be an even split when host noise hits the first window, so no step is assumed to change
+    # every step is cut with the sizes of the latest decision in effect there (an even split before the first);
+    # the first decision may itself be an even split when host noise hits its window, so none is assumed to change
     for pos in range(20):
         in_effect = [x["sizes"] for x in d if x["effective"] <= pos]
         assert r[0]["sizes"][str(pos)] == (in_effect[-1] if in_effect else [12, 12]), pos

@@ -13,8 +13,9 @@ from hetero.train import evaluate
 
 from conftest import read_run, replay_decisions, run_train
 
-ARGS = ["--model", "tiny", "--data", "synthetic", "--subset", "4096", "--test-subset", "1000",
-        "--global-batch", "512", "--epochs", "3", "--threads", "1", "--scheme", "dp", "--hetero", "1:slowdown=8"]
+SUBSET, TEST_SUBSET, B = 4096, 1000, 512
+ARGS = ["--model", "tiny", "--data", "synthetic", "--subset", str(SUBSET), "--test-subset", str(TEST_SUBSET),
+        "--global-batch", str(B), "--epochs", "3", "--threads", "1", "--scheme", "dp", "--hetero", "1:slowdown=8"]
 
 EPOCH_COLS = {"epoch", "train_time_s", "epoch_time_s", "eval_time_s", "train_loss", "train_top1", "test_loss",
               "test_top1", "test_top5", "lr"}
@@ -66,7 +67,7 @@ def test_run_folder_has_every_file_and_column(run):
     steps = r["steps"].groupby(["epoch", "rank"]).agg(batch=("batch_size", "sum"), n=("step", "count"))
     ranks = r["ranks"].set_index(["epoch", "rank"])
     assert (steps.batch == ranks.samples).all() and (steps.n == ranks.steps).all()
-    assert (r["ranks"].groupby("epoch").samples.sum() == 4096 // 512 * 512).all()
+    assert (r["ranks"].groupby("epoch").samples.sum() == SUBSET // B * B).all()
 
 
 def test_fast_rank_compute_excludes_waiting(run):
@@ -81,10 +82,10 @@ def test_distributed_evaluation_equals_single_process(run):
     r = read_run(run)
     model = build_model("tiny")
     model.load_state_dict(torch.load(run / "checkpoint.pt", weights_only=True)["model"])
-    data = load_data("synthetic", "data", subset=4096, test_subset=1000)
+    data = load_data("synthetic", "data", subset=SUBSET, test_subset=TEST_SUBSET)
     loader = DeviceLoader(data.test_x, data.test_y, data.mean, data.std, torch.device("cpu"), augment=False)
     loss, top1, top5, n = evaluate(model, loader, batch=333).tolist()
     last = r["epochs"].iloc[-1]
-    assert n == 1000
+    assert n == TEST_SUBSET
     assert last.test_top1 == top1 / n and last.test_top5 == top5 / n     # exact: counts of the same samples
     assert last.test_loss == pytest.approx(loss / n, rel=1e-6)

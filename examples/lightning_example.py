@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node=2 examples/lightning_example.py --data ../shared/data/cifar10-jpg/train \
         --hetero 1:slowdown=3
+    python examples/lightning_example.py --devices 2 --data ...      # Lightning's own launcher (or --spawn)
 
 What hetero needs from Lightning: its batch sampler on the DataLoader, `use_distributed_sampler=False` (Lightning
 would otherwise replace it by a DistributedSampler of equal shares), and hetero.BalanceCallback, which attaches
@@ -27,15 +28,25 @@ from plain_torch import Indexed  # noqa: E402  (the same (image, label, index) w
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, classes: int, lr: float, epochs: int):
+    def __init__(self, classes: int, lr: float, epochs: int, bal: hetero.Balance, record: str):
         super().__init__()
         self.model, self.lr, self.epochs = torchvision.models.resnet18(num_classes=classes), lr, epochs
+        self.bal, self.record = bal, record
         self.seen: dict[int, list[int]] = {}
 
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
         self.seen.setdefault(self.current_epoch, []).extend(idx.tolist())
         return F.cross_entropy(self.model(x), y)  # a plain mean: the hook weights it by b_i/B
+
+    def on_train_end(self):  # in every training process (with --spawn the main process does not train)
+        if self.global_rank == 0:
+            print(f"hetero: final batch sizes {self.bal.last_sizes} after {len(self.bal.decisions)} decisions",
+                  flush=True)
+        if self.record:
+            with open(f"{self.record}.rank{self.global_rank}.json", "w") as f:
+                json.dump({"rank": self.global_rank, "seen": self.seen,
+                           "decisions": [d.__dict__ for d in self.bal.decisions]}, f)
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
@@ -60,19 +71,16 @@ def main(args) -> int:
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)), num_workers=args.workers,
                         persistent_workers=args.workers > 0)
     torch.manual_seed(args.seed)
-    module = Classifier(len(folder.classes), args.lr, args.epochs)
-    trainer = L.Trainer(max_epochs=args.epochs, accelerator="auto", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                        num_nodes=int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                        strategy=DDPStrategy(), use_distributed_sampler=False, gradient_clip_val=5.0,
+    module = Classifier(len(folder.classes), args.lr, args.epochs, bal, args.record)
+    # under torchrun, its world; else Lightning's own launcher starts --devices processes
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", args.devices))
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu" if args.cpu else "auto", devices=devices,
+                        num_nodes=int(os.environ.get("WORLD_SIZE", devices)) // devices,
+                        strategy=DDPStrategy(start_method="spawn" if args.spawn else "popen"),
+                        use_distributed_sampler=False, gradient_clip_val=5.0,
                         callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
-    if trainer.global_rank == 0:
-        print(f"hetero: final batch sizes {bal.last_sizes} after {len(bal.decisions)} decisions", flush=True)
-    if args.record:
-        with open(f"{args.record}.rank{trainer.global_rank}.json", "w") as f:
-            json.dump({"rank": trainer.global_rank, "seen": module.seen,
-                       "decisions": [d.__dict__ for d in bal.decisions]}, f)
     return 0
 
 
@@ -89,5 +97,8 @@ if __name__ == "__main__":
     p.add_argument("--scheme", default="edp", help="sync, dp, edp or affine")
     p.add_argument("--rebalance-every", type=int, default=10, help="decide every K steps (0: at epoch ends only)")
     p.add_argument("--hetero", default="", help='emulated heterogeneity, e.g. "1:slowdown=3"')
+    p.add_argument("--devices", type=int, default=1, help="processes Lightning starts (ignored under torchrun)")
+    p.add_argument("--spawn", action="store_true", help="Lightning's ddp_spawn launcher instead of ddp's")
+    p.add_argument("--cpu", action="store_true", help="accelerator cpu (default: auto)")
     p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")
     sys.exit(main(p.parse_args()))

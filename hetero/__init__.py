@@ -2,7 +2,8 @@
 
 __version__ = "0.1.0"
 
-_API = {"Balance", "BalancedBatchSampler", "Decision", "StepRecord", "balance_hook"}
+_API = {"Balance", "BalancedBatchSampler", "Decision", "HeteroError", "StepRecord", "balance_hook"}
+__all__ = sorted([*_API, "BalanceCallback", "__version__"])
 
 
 def __getattr__(name: str):

@@ -5,6 +5,11 @@
     trainer = L.Trainer(strategy="ddp", use_distributed_sampler=False, callbacks=[hetero.BalanceCallback(bal)])
     trainer.fit(module, loader)
 
+Under torchrun and under Lightning's own launchers (`python train.py` with devices=N and strategy "ddp" or
+"ddp_spawn") alike: Lightning's launcher sets neither RANK nor, when the callback is built, WORLD_SIZE, so the
+Balance learns its rank and world in `setup`, from the trainer (Balance.set_world), and `attach` then checks them
+against the process group on every rank.
+
 Why a callback and not DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...): Lightning 2.6 registers a comm hook
 only when the root device is CUDA (DDPStrategy._register_ddp_hooks), so on CPU ranks it would silently keep DDP's
 plain mean. The callback registers the hook itself on every device; do not pass ddp_comm_hook as well.
@@ -21,6 +26,10 @@ class BalanceCallback(Callback):
 
     def __init__(self, balance: Balance):
         self.balance = balance
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # in every launched process, before any batch: the rank and world Lightning assigned
+            self.balance.set_world(trainer.global_rank, trainer.world_size)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.balance.micro_batch:  # Lightning accumulates one fixed count on every rank; k_i differs per rank

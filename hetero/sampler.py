@@ -59,8 +59,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         bal, epoch = self.balance, self.balance.epoch
-        if epoch * bal.steps_per_epoch < bal._handed:
-            raise RuntimeError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
+        bal.start_epoch_iteration(epoch)  # refuses a second pass over steps already handed out
         plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
         m = bal.micro_batch
         for step in range(plan.steps):

@@ -20,9 +20,11 @@ ARGS = ["--data", str(CIFAR_JPG / "train"), "--subset", str(SUBSET), "--size", "
         "--epochs", "2", "--workers", "2", "--hetero", "1:slowdown=3", "--rebalance-every", "2"]
 
 
-def _launch(script: str, tmp_path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "examples" / script), *ARGS, "--record", str(tmp_path / "rec")]
+def _launch(script: str, tmp_path, own_launcher: bool = False) -> list[dict]:
+    """Under torchrun, or (own_launcher) as `python script --devices 2 --cpu`: Lightning's own launcher."""
+    run = [str(ROOT / "examples" / script), "--devices", "2", "--cpu"] if own_launcher else [
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(ROOT / "examples" / script)]
+    cmd = [sys.executable, *run, *ARGS, "--record", str(tmp_path / "rec")]
     p = subprocess.run(cmd, cwd=ROOT, env=clean_env(threads="1"), capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{script} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return [json.loads((tmp_path / f"rec.rank{r}.json").read_text()) for r in range(2)]
@@ -49,6 +51,12 @@ def test_plain_example_covers_every_sample_and_moves_shares(tmp_path):
 def test_lightning_example_covers_every_sample_and_moves_shares(tmp_path):
     pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
     _check(_launch("lightning_example.py", tmp_path))
+
+
+@needs_images
+def test_lightning_example_under_lightnings_own_launcher(tmp_path):
+    pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
+    _check(_launch("lightning_example.py", tmp_path, own_launcher=True))
 
 
 def test_bad_setting_is_one_line_and_exit_2(tmp_path):

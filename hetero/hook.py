@@ -48,6 +48,11 @@ def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Futur
         state._all_issued = bucket.is_last()
     fut = dist.all_reduce(buf, async_op=True).get_future()
     clock = state._clock
+    # The future holds `done`, a Python function. Were gloo's worker thread its last owner, it would free it
+    # after the interpreter began to shut down (the job's last step), and taking the GIL there aborts the process
+    # ("terminate called without an active exception"). The Balance keeps the step's futures; the main thread
+    # drops them (at the next step, or at exit).
+    state._futures.append(fut)
 
     def done(f):
         with state._lock:  # gloo may finish buckets out of order: the wait ends with the last one back

@@ -1,0 +1,169 @@
+"""hetero on FSDP2 (fully_shard, gloo on the CPU): the exact global-batch gradient at 2 and 3 ranks with unequal
+sizes, in micro-batch mode with unequal counts, with clipping and mixed precision; refusals in one line on every
+rank; the example (examples/fsdp_lm.py) under torchrun: coverage, the slow rank's share, the loss, a resume."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DataLoader, TensorDataset
+
+import hetero
+from conftest import sgd_step
+from hetero.launch import ROOT, clean_env, free_port, torchrun_cmd
+from hetero.sampler import EpochPlan
+
+DATA = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)),
+                     torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2)))
+SEED, LR, STEPS, CLIP = 3, 0.5, 2, 0.05
+SPLITS = {2: [3, 13], 3: [1, 7, 20]}   # per-rank batch sizes (replayed); the micro-batch case: counts [1, 3] of 4
+MICRO, COUNTS = 4, [1, 3]
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _shard(net: torch.nn.Module, mp_policy: MixedPrecisionPolicy | None = None) -> torch.nn.Module:
+    kw = {"mp_policy": mp_policy} if mp_policy else {}
+    for layer in (net[0], net[2]):
+        fully_shard(layer, **kw)
+    return fully_shard(net, **kw)
+
+
+def _join(rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    # a collective that one rank never joins fails after 30 s instead of hanging the test
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30))
+
+
+def _train(case: str, world: int) -> dict:
+    """STEPS steps of the README loop on an FSDP2 model through the public API; every rank's full parameters."""
+    micro = case == "micro"
+    sizes = [MICRO * k for k in COUNTS] if micro else SPLITS[world]
+    bal = hetero.Balance(scheme="sync" if case == "sync" else "edp", global_batch=sum(sizes),
+                         micro_batch=MICRO if micro else 0, replay={0: np.array([sizes] * (len(DATA) // sum(sizes)))})
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case == "mp" else None
+    model = _shard(_net(), policy)
+    bal.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(DATA, batch_sampler=bal.batch_sampler(len(DATA), seed=SEED))
+    bal.set_epoch(0)
+    lens, grad_dtypes = [], set()
+    for x, y in loader:
+        if bal.global_step == STEPS:
+            break
+        with bal.step(model, batch_size=len(y)):
+            F.cross_entropy(model(x).float(), y).backward()
+            if bal.sync_now:
+                if case == "clip":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)  # DTensor gradients
+                grad_dtypes |= {str(p.grad.dtype) for p in model.parameters()}
+                opt.step()
+                opt.zero_grad()
+        lens.append(len(y))
+    params = [p.full_tensor().float().flatten().tolist() for p in model.parameters()]  # collective, in order
+    rec = bal.epoch_records()
+    return {"params": params, "lens": lens, "grad_dtypes": sorted(grad_dtypes),
+            "compute_s": [r.compute_s for r in rec], "wait_s": [r.wait_s for r in rec]}
+
+
+def _exact_worker(rank: int, out: str, world: int, cases: list[str]) -> None:
+    _join(rank, world)
+    result = {case: _train(case, world) for case in cases}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def _spawn(fn, tmp_path, world: int, *args) -> list[dict]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    mp.spawn(fn, args=(str(tmp_path), world, *args), nprocs=world, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _reference(sizes: list[int], weighted: bool, clip: float = 0.0) -> list[torch.Tensor]:
+    """Single-process SGD on each step's whole window (weighted), or on the equal-weight mean of the ranks' means."""
+    B = sum(sizes)
+    perm = EpochPlan(len(DATA), B, SEED, 0).perm
+    model = _net()
+    for step in range(STEPS):
+        window = perm[step * B:(step + 1) * B]
+        x, y = DATA.tensors[0][window], DATA.tensors[1][window]
+        if weighted:
+            F.cross_entropy(model(x), y).backward()
+        else:
+            cut = np.cumsum([0, *sizes])
+            sum(F.cross_entropy(model(x[lo:hi]), y[lo:hi]) / len(sizes) for lo, hi in zip(cut, cut[1:])).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        params = sgd_step(model, LR)
+        model.zero_grad()
+    return params
+
+
+def _diff(got: list, want: list[torch.Tensor]) -> float:
+    return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    return _spawn(_exact_worker, tmp_path_factory.mktemp("fsdp2"), 2, ["edp", "sync", "micro", "clip", "mp"])
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory) -> list[dict]:
+    return _spawn(_exact_worker, tmp_path_factory.mktemp("fsdp3"), 3, ["edp", "sync"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_fsdp2_step_is_the_single_process_step_on_the_union(world, request):
+    runs = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[world])
+    sizes = SPLITS[world]
+    exact, mean = _reference(sizes, weighted=True), _reference(sizes, weighted=False)
+    assert _diff([p.tolist() for p in exact], mean) > 1e-3                 # the test tells the two apart
+    for rank, r in enumerate(runs):
+        assert r["edp"]["lens"] == [sizes[rank]] * STEPS
+        assert _diff(r["edp"]["params"], exact) < 1e-5
+        # the weighting off (scheme sync: 1/world): FSDP2's own mean of rank means, not the global-batch gradient
+        assert _diff(r["sync"]["params"], mean) < 1e-5
+        assert _diff(r["sync"]["params"], exact) > 1e-3
+
+
+def test_micro_batches_with_unequal_counts_give_the_same_step(two_ranks):
+    exact = _reference([MICRO * k for k in COUNTS], weighted=True)
+    assert exact[0].tolist() == _reference(SPLITS[2], weighted=True)[0].tolist()  # the same windows as [3, 13]
+    for rank, r in enumerate(two_ranks):
+        assert r["micro"]["lens"] == [MICRO] * (COUNTS[rank] * STEPS)
+        assert _diff(r["micro"]["params"], exact) < 1e-5
+
+
+def test_clipping_dtensor_gradients_clips_the_exact_gradient(two_ranks):
+    clipped, unclipped = _reference(SPLITS[2], True, clip=CLIP), _reference(SPLITS[2], True)
+    assert _diff([p.tolist() for p in clipped], unclipped) > 1e-3          # the clip bites
+    for r in two_ranks:
+        assert _diff(r["clip"]["params"], clipped) < 1e-5
+
+
+def test_bf16_parameters_with_fp32_reduction_train_close_to_the_exact_step(two_ranks):
+    exact, mean = _reference(SPLITS[2], weighted=True), _reference(SPLITS[2], weighted=False)
+    for r in two_ranks:
+        assert r["mp"]["grad_dtypes"] == ["torch.float32"]
+        assert _diff(r["mp"]["params"], exact) < 0.2 * _diff([p.tolist() for p in exact], mean)
+
+
+def test_the_clock_counts_fsdp_waits_as_waits(two_ranks):
+    for r in two_ranks:
+        assert all(c > 0 for c in r["edp"]["compute_s"]) and all(w >= 0 for w in r["edp"]["wait_s"])

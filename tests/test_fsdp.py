@@ -167,3 +167,113 @@ def test_bf16_parameters_with_fp32_reduction_train_close_to_the_exact_step(two_r
 def test_the_clock_counts_fsdp_waits_as_waits(two_ranks):
     for r in two_ranks:
         assert all(c > 0 for c in r["edp"]["compute_s"]) and all(w >= 0 for w in r["edp"]["wait_s"])
+
+
+# -- refusals: one line on every rank, no hang --------------------------------------------------------------------
+BAD = '''
+import sys, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+import hetero
+
+dist.init_process_group("gloo")
+for name in sys.argv[1:]:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    if name == "ddp_inside":
+        m[0] = DDP(m[0])
+    if name != "plain_root":
+        fully_shard(m[2])
+        fully_shard(m)
+    else:
+        fully_shard(m[2])
+    try:
+        bal = hetero.Balance(global_batch=8)
+        bal.set_samples(8)
+        bal.set_epoch(0)
+        bal.attach(m[2] if name == "not_root" else m)
+        with bal.step():
+            m(torch.randn(4, 8)).sum().backward()
+        print(f"rank {dist.get_rank()} {name}: accepted", flush=True)
+    except (ValueError, RuntimeError) as e:
+        print(f"rank {dist.get_rank()} {name}: {e}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def _launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--log-dir={os.devnull}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=clean_env(threads="1"), capture_output=True, text=True, timeout=timeout)
+
+
+def test_bad_combinations_get_one_line_on_every_rank(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(BAD)
+    cases = {"ddp_inside": "DDP inside an FSDP2 model", "plain_root": "apply fully_shard to the root module too",
+             "not_root": "the attached module is not the FSDP2 root"}
+    p = _launch([str(script), *cases], timeout=120)                       # a hang would raise TimeoutExpired
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    for rank in (0, 1):
+        for name, text in cases.items():
+            mine = [line for line in lines if line.startswith(f"rank {rank} {name}: ")]
+            assert len(mine) == 1 and text in mine[0], (name, lines)
+
+
+def test_fsdp1_is_refused_in_one_line(monkeypatch):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # FSDP1 needs an accelerator to build
+    with pytest.raises(ValueError, match=r"^FSDP1 \(FullyShardedDataParallel\) is not supported: shard with FSDP2"):
+        hetero.Balance(global_batch=8).attach(fsdp1)
+
+
+# -- the example under torchrun (2 CPU ranks) ---------------------------------------------------------------------
+SMALL = ["--subset", "480", "--global-batch", "32", "--epochs", "2"]
+
+
+def _example(tmp_path, name: str, *args: str, script: str = "fsdp_lm.py") -> list[dict]:
+    p = _launch([str(ROOT / "examples" / script), *SMALL, "--record", str(tmp_path / name), *args])
+    assert p.returncode == 0, p.stderr[-4000:]
+    return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_balanced(r: list[dict], micro: int) -> None:
+    n = 480 // 32 * 32
+    for epoch in ("0", "1"):
+        assert sorted(r[0]["seen"][epoch] + r[1]["seen"][epoch]) == list(range(n))  # each sample once per epoch
+    assert r[0]["decisions"] == r[1]["decisions"] and r[0]["sizes"] == r[1]["sizes"]
+    last = r[0]["decisions"][-1]["sizes"]
+    assert last[1] / 32 < 0.4                                           # the 3x slower rank: well below a half
+    assert all(b % max(micro, 1) == 0 for s in r[0]["sizes"].values() for b in s)
+    assert r[0]["losses"][1] < r[0]["losses"][0] - 0.3                  # it learns
+
+
+def test_the_example_balances_a_slow_rank_and_covers_every_sample(tmp_path):
+    _check_balanced(_example(tmp_path, "lm", "--hetero", "1:slowdown=3", "--rebalance-every", "5"), 0)
+
+
+def test_the_example_in_micro_batches_learns_like_the_plain_fsdp2_script(tmp_path):
+    r = _example(tmp_path, "micro", "--hetero", "1:slowdown=3", "--rebalance-every", "5", "--micro-batch", "4")
+    _check_balanced(r, 4)
+    base = _example(tmp_path, "base", script="fsdp_lm_baseline.py")
+    assert base[0]["losses"][1] < base[0]["losses"][0] - 0.3
+    assert abs(r[0]["losses"][1] - base[0]["losses"][1]) < 0.1 * base[0]["losses"][1]
+
+
+def test_a_resume_from_the_checkpoint_continues_with_the_same_sizes_and_loss(tmp_path):
+    args = ["--hetero", "1:slowdown=3", "--rebalance-every", "0"]      # epoch 1's sizes: decided at epoch 0's end
+    full = _example(tmp_path, "full", *args, "--checkpoint-dir", str(tmp_path / "ck"))
+    (tmp_path / "resume").mkdir()
+    os.rename(tmp_path / "ck" / "epoch0000", tmp_path / "resume" / "epoch0000")  # as if killed during epoch 1
+    again = _example(tmp_path, "again", *args, "--checkpoint-dir", str(tmp_path / "resume"), "--resume")
+    for a, b in zip(full, again):
+        assert a["sizes"] == b["sizes"] and a["seen"] == b["seen"]
+        assert a["sizes"]["14"] != a["sizes"]["15"]                     # epoch 1 (steps 15..29) runs decided sizes
+        assert b["losses"] == pytest.approx(a["losses"], rel=1e-5)
+    extra = torch.load(tmp_path / "resume" / "epoch0001" / "extra.pt", weights_only=True)
+    assert extra["epoch"] == 1 and "balancer" in extra["balance"]

@@ -40,11 +40,12 @@ from torch import nn
 if TYPE_CHECKING:
     from ..api import Balance
 
-try:  # torch >= 2.8 (the custom comms); an older torch is refused in attach with one line
-    from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule
+
+try:  # FSDP2's custom comms came in torch 2.9; an older torch is refused in attach with one line
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 except ImportError:  # pragma: no cover
-    FSDPModule = AllGather = ReduceScatter = None
+    AllGather = ReduceScatter = None
 # torch 2.14 renamed the collectives (the old names warn); torch 2.11 has only the old ones
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,7 +53,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 def is_fsdp(model: nn.Module) -> bool:
     """True for an FSDP2 module (fully_shard applied)."""
-    return FSDPModule is not None and isinstance(model, FSDPModule)
+    return isinstance(model, FSDPModule)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -71,8 +72,8 @@ def refusal(model: nn.Module, world: int) -> str | None:
     if isinstance(model, DDP):
         inner = [m for m in model.module.modules() if is_fsdp(m)]
         return "DDP around an FSDP2 model: pass the fully_shard'ed model itself, without DDP" if inner else None
-    if FSDPModule is None:
-        return f"FSDP2 with hetero needs torch >= 2.8 (this is {torch.__version__})"
+    if ReduceScatter is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
+        return f"FSDP2 with hetero needs torch >= 2.9 (its custom reduce-scatter); this is {torch.__version__}"
     if not is_fsdp(model):
         sharded = "its submodules are fully_shard'ed but it is not: " if fsdp_modules(model) else ""
         return (f"attach takes a DDP model or an FSDP2 root; this {name} is neither ({sharded}apply fully_shard to "

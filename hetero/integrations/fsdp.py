@@ -91,7 +91,7 @@ def refusal(model: nn.Module, world: int) -> str | None:
 class _Timed:
     """Shared by the comms: the Balance, and this step's count of reduce-scatters (the last marks the clock)."""
 
-    def __init__(self, bal: Balance, reduces_per_step: int):
+    def __init__(self, bal: Balance, reduces_per_step: int = 0):
         self.bal, self.reduces_per_step = bal, reduces_per_step
         self._clock, self._reduces = None, 0
 
@@ -147,7 +147,7 @@ class FSDPSchedule:
         reduces = sum(any(p.requires_grad for p in _own_params(m)) for m in self.modules)
         if not reduces:
             raise ValueError("the FSDP2 model has no trainable parameters")
-        reduce_scatter, all_gather = WeightedReduceScatter(bal, reduces), TimedAllGather(bal, reduces)
+        reduce_scatter, all_gather = WeightedReduceScatter(bal, reduces), TimedAllGather(bal)
         for m in self.modules:
             m.set_gradient_divide_factor(1.0)        # per module: the weight is applied in the comm instead
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo refuses PREMUL_SUM)

@@ -163,7 +163,8 @@ def table(res: dict) -> str:
                   f"API (hetero.Balance on an FSDP2 root, edp, rebalancing every {fs['rebalance_every']} steps) "
                   f"{1e3 * fs['api_step_s']:.2f} ms/step, plain FSDP2 through the same DataLoader settings "
                   f"{1e3 * fs['plain_step_s']:.2f} ms/step: ratio {fs['ratio']:.3f} (median of "
-                  f"{len(fs['pair_ratios'])} interleaved epochs), {fs['extra_ms_per_step']:+.2f} ms per step", ""]
+                  f"{len(fs['pair_ratios'])} back-to-back step pairs; of medians {fs['ratio_of_medians']:.3f}), "
+                  f"{fs['extra_ms_per_step']:+.2f} ms per step", ""]
     if res.get("balancer"):
         rules = ("proportional", "affine")
         lines += ["## One rebalancing decision (median ms)", ""] + markdown_table(

@@ -41,7 +41,7 @@ class CharWindows(Dataset):
 
 
 def read_text(data: str) -> bytes:
-    """The bytes of --data (a file, or every *.md, *.py and *.txt under a folder), or of this checkout's docs and code."""
+    """The bytes of --data (a file, or every *.md, *.py and *.txt under a folder), else of this checkout's files."""
     if not data:
         files = sorted(ROOT.glob("*.md")) + sorted((ROOT / "hetero").glob("*.py"))
     elif os.path.isfile(data):

@@ -194,9 +194,9 @@ class StepClock:
     """Marks inside one training step: start, gradients ready (local compute done), backward returned, end.
 
     compute_s = (ready - start - held_s) + (end - returned): the rank's own work; wait_s = returned - ready + held_s:
-    the last all-reduce, including waiting for slower ranks (held_s: collectives before `ready`, FSDP2's; else 0). On CUDA the marks are events on the current (compute) stream,
-    read when the step is over. `event` makes such events (torch.cuda.Event; a test passes a fake to take the
-    CUDA path on the CPU).
+    the last all-reduce, including waiting for slower ranks (held_s: collectives before `ready`, FSDP2's; else 0).
+    On CUDA the marks are events on the current (compute) stream, read when the step is over. `event` makes such
+    events (torch.cuda.Event; a test passes a fake to take the CUDA path on the CPU).
     """
 
     def __init__(self, device: torch.device, event: Callable[[], object] | None = None):

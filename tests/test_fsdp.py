@@ -52,11 +52,11 @@ def _join(rank: int, world: int) -> None:
 
 def _train(case: str, world: int) -> dict:
     """STEPS steps of the README loop on an FSDP2 model through the public API; every rank's full parameters."""
-    micro = case == "micro"
+    micro = case in ("micro", "mp_micro")
     sizes = [MICRO * k for k in COUNTS] if micro else SPLITS[world]
     bal = hetero.Balance(scheme="sync" if case == "sync" else "edp", global_batch=sum(sizes),
                          micro_batch=MICRO if micro else 0, replay={0: np.array([sizes] * (len(DATA) // sum(sizes)))})
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case == "mp" else None
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.startswith("mp") else None
     model = _shard(_net(), policy)
     bal.attach(model)
     if case == "held" and bal.rank == 1:  # rank 1 stalls inside forward: rank 0 waits in the next all-gather
@@ -123,7 +123,7 @@ def _diff(got: list, want: list[torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    return _spawn(_exact_worker, tmp_path_factory.mktemp("fsdp2"), 2, ["edp", "sync", "micro", "clip", "mp", "held"])
+    return _spawn(_exact_worker, tmp_path_factory.mktemp("fsdp2"), 2, ["edp", "sync", "micro", "clip", "mp", "mp_micro", "held"])
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +160,12 @@ def test_clipping_dtensor_gradients_clips_the_exact_gradient(two_ranks):
         assert _diff(r["clip"]["params"], clipped) < 1e-5
 
 
-def test_bf16_parameters_with_fp32_reduction_train_close_to_the_exact_step(two_ranks):
+@pytest.mark.parametrize("case", ["mp", "mp_micro"])
+def test_bf16_parameters_with_fp32_reduction_train_close_to_the_exact_step(two_ranks, case):
     exact, mean = _reference(SPLITS[2], weighted=True), _reference(SPLITS[2], weighted=False)
     for r in two_ranks:
-        assert r["mp"]["grad_dtypes"] == ["torch.float32"]
-        assert _diff(r["mp"]["params"], exact) < 0.2 * _diff([p.tolist() for p in exact], mean)
+        assert r[case]["grad_dtypes"] == ["torch.float32"]
+        assert _diff(r[case]["params"], exact) < 0.2 * _diff([p.tolist() for p in exact], mean)
 
 
 def test_waiting_inside_forward_is_billed_as_waiting_not_compute(two_ranks):

@@ -278,7 +278,9 @@ def test_a_resume_from_the_checkpoint_continues_with_the_same_sizes_and_loss(tmp
     args = ["--hetero", "1:slowdown=3", "--rebalance-every", "0"]      # epoch 1's sizes: decided at epoch 0's end
     full = _example(tmp_path, "full", *args, "--checkpoint-dir", str(tmp_path / "ck"))
     (tmp_path / "resume").mkdir()
-    os.rename(tmp_path / "ck" / "epoch0000", tmp_path / "resume" / "epoch0000")  # as if killed during epoch 1
+    os.rename(tmp_path / "ck" / "epoch0000", tmp_path / "resume" / "epoch0000")  # as if killed during epoch 1,
+    (tmp_path / "resume" / "epoch0001.tmp").mkdir()                                # in the middle of its save
+    (tmp_path / "resume" / "epoch0001.tmp" / "__0_0.distcp").write_bytes(b"torn")
     again = _example(tmp_path, "again", *args, "--checkpoint-dir", str(tmp_path / "resume"), "--resume")
     for a, b in zip(full, again):
         assert a["sizes"] == b["sizes"] and a["seen"] == b["seen"]

@@ -231,6 +231,14 @@ def test_bad_combinations_get_one_line_on_every_rank(tmp_path):
             assert line.startswith(f"{name}: ") and text in line, line
 
 
+def test_a_plain_module_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^attach takes a DDP model or an FSDP2 root; this Linear is neither "
+                                         r"\(wrap it in DistributedDataParallel, or fully_shard it\)$"):
+        hetero.Balance(global_batch=8).attach(torch.nn.Linear(2, 2))
+
+
 def test_fsdp1_is_refused_in_one_line(monkeypatch):
     from torch.distributed.fsdp import FullyShardedDataParallel
 

@@ -75,9 +75,9 @@ def refusal(model: nn.Module, world: int) -> str | None:
     if ReduceScatter is None or not hasattr(FSDPModule, "set_force_sum_reduction_for_comms"):
         return f"FSDP2 with hetero needs torch >= 2.9 (its custom reduce-scatter); this is {torch.__version__}"
     if not is_fsdp(model):
-        sharded = "its submodules are fully_shard'ed but it is not: " if fsdp_modules(model) else ""
-        return (f"attach takes a DDP model or an FSDP2 root; this {name} is neither ({sharded}apply fully_shard to "
-                f"the root module too)")
+        fix = ("its submodules are fully_shard'ed but it is not: apply fully_shard to the root module too"
+               if fsdp_modules(model) else "wrap it in DistributedDataParallel, or fully_shard it")
+        return f"attach takes a DDP model or an FSDP2 root; this {name} is neither ({fix})"
     if any(isinstance(m, DDP) for m in model.modules()):
         return "DDP inside an FSDP2 model: shard the inner module with fully_shard instead of wrapping it in DDP"
     if world < 2:

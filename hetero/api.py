@@ -125,6 +125,7 @@ class Balance:
         self._started: int | None = None  # the epoch set_epoch last started
         self._ended = 0  # steps ended since set_epoch
         self._attached = self._probed = False
+        self._fsdp = None  # an FSDP2 model's schedule (integrations/fsdp.py), set by attach
         self._micro_left, self._expected, self.sync_now = 1, 1, True  # micro-batches left; the current one syncs
         self._syncs = self._forwards = 0
         self._unsynced = False  # a backward ran under no_sync since the last all-reduce
@@ -247,15 +248,20 @@ class Balance:
         check_feasible(len(limits), self.global_batch, self.min_batch, limits, max(m, 1))
         return limits
 
-    def attach(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Install the weighting communication hook (with the clock and the emulated delay) on a DDP model, and
-        check (collectively) that every rank's Balance has the same settings and the process group's rank."""
+    def attach(self, ddp: torch.nn.Module) -> None:
+        """Install the weighting (with the clock and the emulated delay) on a DDP model, as a communication hook, or
+        on an FSDP2 root, as its reduce-scatter (integrations/fsdp.py); one-line ValueError for any other model.
+        Collective: every rank's Balance must have the same settings and the process group's rank and world."""
         if any(self.probes) and not self._probed:
             raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
+        from .integrations import fsdp  # torch only; refuses FSDP1, DDP around FSDP2, a non-root, ...
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(ddp, self.size):
+            self._fsdp = fsdp.attach(self, ddp)
         self._device = next(ddp.parameters()).device
         self._coll = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
         self._agree("attach")
-        ddp.register_comm_hook(self, balance_hook)
+        if self._fsdp is None:
+            ddp.register_comm_hook(self, balance_hook)
         ddp.register_forward_pre_hook(self._count_forward)
         self._params = {id(p) for p in ddp.parameters()}
         self._first_param = next(ddp.parameters())
@@ -452,14 +458,16 @@ class Balance:
             raise RuntimeError(f"hetero: step {self._step} got {batch_size} samples, the schedule says "
                                f"{want}: is the loader this Balance's sampler?")
         self.sync_now = self._micro_left <= 1
-        if self.micro_batch and ddp is None:  # on every rank alike, whatever its count (no rank left waiting)
+        if self._fsdp is not None:  # FSDP2: no no_sync; its own schedule (the same collectives on every rank)
+            self._fsdp.begin(first=self._micro_left == self._expected, sync=self.sync_now)
+        elif self.micro_batch and ddp is None:  # on every rank alike, whatever its count (no rank left waiting)
             raise RuntimeError("hetero: with micro_batch, pass the DDP model: `with bal.step(ddp):`")
         try:
-            with nullcontext() if self.sync_now else ddp.no_sync():
+            with nullcontext() if self.sync_now or self._fsdp is not None else ddp.no_sync():
                 yield
         except HeteroError:
             raise
-        except Exception as e:  # noqa: BLE001 - a backward's all-reduce failed: a peer's posted reason, if any
+        except Exception as e:  # noqa: BLE001 - a backward's collective failed: a peer's posted reason, if any
             if (why := peer_error()) is not None:
                 raise HeteroError(why) from None
             raise e

@@ -1,6 +1,6 @@
 """The benchmark suite on CPU ranks, measured side by side in one run (README: benchmarks, for the method):
-balance efficiency against each run's own ideal, the trainer's overhead over a plain DDP loop, and the time of
-one rebalancing decision for 2 to 4096 workers.
+balance efficiency against each run's own ideal, the trainer's overhead over a plain DDP loop, the API's FSDP2
+step over plain FSDP2's (docs/fsdp.md), and the time of one rebalancing decision for 2 to 4096 workers.
 
     make bench [QUICK=1]             # = python -m hetero.bench [--quick]; runs/bench/<time>/bench.json, table.md
 """
@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-from . import efficiency, overhead, simbench
+from . import efficiency, fsdp_overhead, overhead, simbench
 from .cli import CliParser
 from .launch import ROOT
 from .measure import LaunchError, markdown_table, run_meta
 from .partition import SCHEMES
 
-PARTS = ("balance", "overhead", "balancer")
+PARTS = ("balance", "overhead", "fsdp", "balancer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +103,9 @@ def checks(res: dict) -> list[dict]:
         out.append({"target": "trainer step <= 1.03 x plain DDP step", "value": ov["ratio"], "pass": ov["ratio"] <= 1.03})
         out.append({"target": "api step <= 1.01 x plain DDP step (same DataLoader)", "value": ov["api_ratio"],
                     "pass": ov["api_ratio"] <= 1.01})
+    if fs := res.get("fsdp_overhead"):
+        out.append({"target": "api step <= 1.01 x plain FSDP2 step (same DataLoader)", "value": fs["ratio"],
+                    "pass": fs["ratio"] <= 1.01})
     for r in res.get("balancer", []):
         if r["workers"] == 4096:
             out.append({"target": f"one {r['rule']} decision for 4096 workers < 10 ms", "value": r["decision_ms"],
@@ -155,6 +158,13 @@ def table(res: dict) -> str:
                   f"{1e3 * ov['ddp_loader_step_s']:.2f} ms/step: ratio {ov['api_ratio']:.3f} (median of "
                   f"{len(ov['api_pair_ratios'])} pairs; of medians {ov['api_ratio_of_medians']:.3f}), "
                   f"{ov['api_extra_ms_per_step']:+.2f} ms per step", ""]
+    if fs := res.get("fsdp_overhead"):
+        lines += ["## FSDP2 overhead (no heterogeneity, 2 ranks, docs/fsdp.md)", "",
+                  f"API (hetero.Balance on an FSDP2 root, edp, rebalancing every {fs['rebalance_every']} steps) "
+                  f"{1e3 * fs['api_step_s']:.2f} ms/step, plain FSDP2 through the same DataLoader settings "
+                  f"{1e3 * fs['plain_step_s']:.2f} ms/step: ratio {fs['ratio']:.3f} (median of "
+                  f"{len(fs['pair_ratios'])} back-to-back step pairs; of medians {fs['ratio_of_medians']:.3f}), "
+                  f"{fs['extra_ms_per_step']:+.2f} ms per step", ""]
     if res.get("balancer"):
         rules = ("proportional", "affine")
         lines += ["## One rebalancing decision (median ms)", ""] + markdown_table(
@@ -183,6 +193,9 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     if "overhead" in suite.parts:
         res["overhead"] = overhead.measure(out, suite.overhead_launches, suite.subset(2), suite.global_batch(2),
                                            suite.overhead_epochs, res["notes"])
+    if "fsdp" in suite.parts:
+        res["fsdp_overhead"] = fsdp_overhead.measure(out, suite.subset(2), suite.global_batch(2),
+                                                     suite.overhead_epochs, res["notes"])
     if "balancer" in suite.parts:
         print("bench: balancer decisions", flush=True)
         res["balancer"] = simbench.balancer_cost(suite.workers)

@@ -193,10 +193,10 @@ def teardown(ok: bool) -> None:
 class StepClock:
     """Marks inside one training step: start, gradients ready (local compute done), backward returned, end.
 
-    compute_s = (ready - start) + (end - returned): the rank's own work; wait_s = returned - ready: the last
-    all-reduce, including waiting for slower ranks. On CUDA the marks are events on the current (compute) stream,
-    read when the step is over. `event` makes such events (torch.cuda.Event; a test passes a fake to take the
-    CUDA path on the CPU).
+    compute_s = (ready - start - held_s) + (end - returned): the rank's own work; wait_s = returned - ready + held_s:
+    the last all-reduce, including waiting for slower ranks (held_s: collectives before `ready`, FSDP2's; else 0).
+    On CUDA the marks are events on the current (compute) stream, read when the step is over. `event` makes such
+    events (torch.cuda.Event; a test passes a fake to take the CUDA path on the CPU).
     """
 
     def __init__(self, device: torch.device, event: Callable[[], object] | None = None):
@@ -204,6 +204,7 @@ class StepClock:
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.marks: dict[str, float | torch.cuda.Event] = {}
         self.device_waits = 0  # wait_device calls: the host waited for this rank's queued GPU work
+        self.held_s = 0.0  # s in collectives before `ready` (FSDP2's per-module ones): waiting, moved out of compute
 
     def _record(self):
         ev = self._event()
@@ -227,9 +228,9 @@ class StepClock:
         """Seconds of this rank's compute since `start` (CPU: host time; CUDA: start to an event on the compute
         stream, after waiting for it, so the host is also caught up with its GPU work)."""
         if self.cuda:
-            return self.marks["start"].elapsed_time(self.wait_device()) / 1e3
+            return self.marks["start"].elapsed_time(self.wait_device()) / 1e3 - self.held_s
         self.wait_device()
-        return time.perf_counter() - self.marks["start"]
+        return time.perf_counter() - self.marks["start"] - self.held_s
 
     def read(self) -> tuple[float, float]:
         """(compute_s, wait_s) of the finished step."""
@@ -241,8 +242,8 @@ class StepClock:
             span = lambda a, b: m[a].elapsed_time(m[b]) / 1e3
         else:
             span = lambda a, b: m[b] - m[a]
-        wait = span("ready", "returned")
-        return span("start", "ready") + span("returned", "end"), wait
+        wait = span("ready", "returned") + self.held_s
+        return span("start", "ready") - self.held_s + span("returned", "end"), wait
 
 
 def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -127,6 +127,9 @@ SLOW_TESTS = {
     "test_accumulation.py::test_the_trainer_accumulates_the_exact_global_batch_gradient",
     "test_gpu_path.py::test_delayed_rank_records_its_delay_as_compute_in_a_real_run",
     "test_simulator.py::test_balancers_notebook_runs",
+    "test_fsdp.py::test_the_example_balances_a_slow_rank_and_covers_every_sample",
+    "test_fsdp.py::test_the_example_in_micro_batches_learns_like_the_plain_fsdp2_script",
+    "test_fsdp.py::test_a_resume_from_the_checkpoint_continues_with_the_same_sizes_and_loss",
 }
 
 

@@ -55,6 +55,8 @@ def test_bench_quickest(tmp_path):
     assert math.isfinite(ov["api_ratio"]) and ov["api_ratio"] > 0
     assert len(ov["api_pair_ratios"]) == len(ov["step_s"]["ddp_loader"]) == 1
 
+    fs = res["fsdp_overhead"]
+    assert math.isfinite(fs["ratio"]) and fs["ratio"] > 0 and len(fs["pair_ratios"]) == 8  # epoch 1's steps
     dec = res["balancer"]
     assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
                                                         for n in (2, 4, 8, 16)}

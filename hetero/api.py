@@ -134,7 +134,6 @@ class Balance:
         self._owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> steps the attached model?
         self._first_param: torch.nn.Parameter | None = None
         self._in_flight, self._all_issued, self._lock = 0, False, threading.Lock()
-        self._futures: list[torch.futures.Future] = []  # this step's all-reduces (hook.balance_hook says why)
         if (known := launcher_world()) is not None:
             self.set_world(*known)
 
@@ -405,7 +404,6 @@ class Balance:
         self._weight = unit / self.global_batch if self.scheme.weighted else 1.0 / (self.size * self._micro_left)
         self._syncs = self._forwards = 0
         self._in_flight, self._all_issued, self._delay = 0, False, 0.0
-        self._futures.clear()  # the last step's all-reduces are done: freed here, in the main thread
         if self._first_param is not None and self._first_param.grad is None:
             self._steps_since_opt = 0  # gradients cleared (zero_grad): a step the optimizer skipped (GradScaler) is fine
         self._steps_since_opt += 1
@@ -524,8 +522,7 @@ class Balance:
         self._started = self._iterated = None
 
     def __getstate__(self) -> dict:  # Lightning's ddp_spawn pickles the callback: the lock is made anew
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_owns", "_futures")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_owns")}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state, _lock=threading.Lock(), _owns=weakref.WeakKeyDictionary(),
-                             _futures=[])
+        self.__dict__.update(state, _lock=threading.Lock(), _owns=weakref.WeakKeyDictionary())

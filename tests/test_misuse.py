@@ -175,6 +175,9 @@ def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
                 F.cross_entropy(ddp(x[lo:lo + 4]), y[lo:lo + 4]).backward()
         opt.step()
         result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        # what the exit waits for: gloo's threads have freed every callback of the hook (none left to free
+        # while the interpreter shuts down)
+        result["callbacks_freed"] = hetero.hook._callbacks.drain(timeout_s=10)
     except hetero.HeteroError as e:
         result["error"] = str(e)
     result["stepped"] = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -198,6 +201,7 @@ def test_a_loop_running_bal_micro_batches_is_exact(tmp_path):
     want = sgd_step(model)
     for rank in r:
         assert not rank["error"] and max_diff(rank["params"], want) < 1e-6
+        assert rank["callbacks_freed"]
 
 
 def _extra_steps_worker(rank: int, out: str) -> None:

@@ -86,9 +86,11 @@ class _Callbacks:
 
     def drain(self, timeout_s: float = 5.0) -> bool:
         """Wait until every tracked callback is freed; False when some are still held after timeout_s."""
-        deadline = time.monotonic() + timeout_s
+        deadline, tracked = time.monotonic() + timeout_s, self.alive > 0
         while self.alive > 0 and time.monotonic() < deadline:
             time.sleep(0.005)  # releases the GIL: the worker thread frees the callback
+        if tracked:
+            time.sleep(0.05)  # and leaves the GIL-holding free (the count drops inside it)
         return self.alive <= 0
 
 

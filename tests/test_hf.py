@@ -145,3 +145,30 @@ def test_a_trainer_step_is_the_global_batch_step_and_a_wrong_weight_is_caught(tr
         assert rank["sizes"] == SIZES
         assert max_diff(rank[case], want) < 1e-5, f"{case}: not the global batch's step"
         assert max_diff(rank[wrong], want) > 1e-3, f"{wrong}: the test would not catch this weight"
+
+
+@pytest.mark.parametrize("setting, line", [
+    ({"gradient_accumulation_steps": 2}, "hetero: gradient_accumulation_steps must be 1 (every rank would accumulate "
+                                         "the same count): raise the Balance's global_batch instead"),
+    ({"per_device_train_batch_size": 3}, "hetero: per_device_train_batch_size x world (3 x 2) must equal the "
+                                         "Balance's global_batch 8: it is the mean per-rank batch the Trainer logs; "
+                                         "hetero decides each rank's own"),
+    ({"train_sampling_strategy": "group_by_length"}, "hetero: train_sampling_strategy='group_by_length' is not "
+                                                     "supported: hetero's sampler decides every rank's samples"),
+    ({"world": 1}, "hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); one process has "
+                   "nothing to balance: use transformers.Trainer"),
+])
+def test_a_trainer_setting_hetero_cannot_honour_is_one_line(monkeypatch, tmp_path, setting, line):
+    """Refused in train() before anything runs, alike on every rank (here one process plays rank 0 of two)."""
+    setting = dict(setting)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", str(setting.pop("world", 2)))
+    bal = hetero.Balance(global_batch=B)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")  # the Trainer itself stays one process
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                             **{"per_device_train_batch_size": B // 2, **setting})
+    trainer = HeteroTrainer(model=MeanLoss(), args=args, train_dataset=Points(), balance=bal)
+    with pytest.raises(ValueError) as e:
+        trainer.train()
+    assert str(e.value) == line

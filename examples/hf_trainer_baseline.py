@@ -10,7 +10,7 @@ import os
 import sys
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 
@@ -71,30 +71,34 @@ class RecordingTrainer(Trainer):
 def main(args) -> int:
     try:
         with open(args.text) as f:
-            ds = CharText(f.read(), args.length, args.subset)
+            rows = CharText(f.read(), args.length, args.subset + args.eval_rows)
     except (OSError, ValueError) as e:
         print(f"hetero: error: --text {args.text}: {e}", file=sys.stderr)
         return 2
     try:
-        model = load_model(args, len(ds.vocab))
+        model = load_model(args, len(rows.vocab))
     except ValueError as e:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 2
+    ds, evalset = Subset(rows, range(args.subset)), Subset(rows, range(args.subset, len(rows)))
     world = int(os.environ.get("WORLD_SIZE", 1))
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=args.global_batch // world,
                               num_train_epochs=args.epochs, max_steps=args.max_steps, learning_rate=args.lr,
                               lr_scheduler_type="constant", logging_steps=args.log_every, report_to=[],
                               save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
                               disable_tqdm=True, seed=args.seed, remove_unused_columns=False,
-                              dataloader_num_workers=args.workers, use_cpu=not torch.cuda.is_available())
-    trainer = RecordingTrainer(model=model, args=targs, train_dataset=ds)
+                              dataloader_num_workers=args.workers, use_cpu=not torch.cuda.is_available(),
+                              eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None)
+    trainer = RecordingTrainer(model=model, args=targs, train_dataset=ds,
+                               eval_dataset=evalset if args.eval_every else None)
     trainer.seen, trainer.batches = {}, []
     trainer.train(resume_from_checkpoint=args.resume or None)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
     if args.record:
         with open(f"{args.record}.rank{targs.process_index}.json", "w") as f:
             json.dump({"rank": targs.process_index, "seen": trainer.seen, "batches": trainer.batches,
-                       "losses": losses}, f)
+                       "losses": losses, "eval_losses": evals}, f)
     return 0
 
 
@@ -102,7 +106,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--text", default="README.md", help="a local text file: its characters are the tokens")
     p.add_argument("--out", default="runs/hf_trainer", help="the Trainer's output_dir")
-    p.add_argument("--pretrained", default="", help="a model name or folder (Hugging Face cache) instead of the tiny one")
+    p.add_argument("--pretrained", default="", help="a Hugging Face model (cached) instead of the tiny one")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps (-1: the epochs)")
     p.add_argument("--global-batch", type=int, default=32)
@@ -112,6 +116,8 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--log-every", type=int, default=5, help="log the loss every this many steps")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every this many steps (0: never)")
+    p.add_argument("--eval-rows", type=int, default=64, help="rows after the training rows, for evaluation")
     p.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every this many steps (0: none)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
     p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")

@@ -45,8 +45,14 @@ def _check(ranks: list[dict], base: list[dict]) -> None:
 
 
 def test_trainer_example_covers_every_sample_moves_shares_and_learns_like_the_trainer(tmp_path):
-    _check(_launch("hf_trainer.py", tmp_path, *HETERO, "--out", str(tmp_path / "out")),
-           _launch("hf_trainer_baseline.py", tmp_path, "--out", str(tmp_path / "base"), name="base"))
+    """With the Trainer's evaluation every 5 steps (eval_strategy="steps"), between hetero's steps."""
+    ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--out", str(tmp_path / "out"), "--eval-every", "5")
+    base = _launch("hf_trainer_baseline.py", tmp_path, "--out", str(tmp_path / "base"), "--eval-every", "5",
+                   name="base")
+    _check(ranks, base)
+    evals, baseline = ranks[0]["eval_losses"], base[0]["eval_losses"]
+    assert len(evals) == len(baseline) == 2 * STEPS // 5 and evals[-1] < evals[0]
+    assert abs(evals[-1] - baseline[-1]) < 0.1 * baseline[-1]
 
 
 def test_accelerate_example_covers_every_sample_moves_shares_and_learns_like_the_loop(tmp_path):

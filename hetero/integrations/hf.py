@@ -122,7 +122,8 @@ class HeteroTrainer(Trainer):
         if counted and self.args.average_tokens_across_devices:
             return 1.0 / bal.size  # (a): compute_loss scaled the loss by world, over the global token count
         if counted and bal.scheme.weighted:  # (b) with this rank's valid-token count: its share of all ranks'
-            n = torch.as_tensor(num_items_in_batch, dtype=torch.float64).detach().cpu().reshape(1)
+            dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
+            n = torch.as_tensor(num_items_in_batch, dtype=torch.float64).detach().to(dev).reshape(1)
             total = n.clone()
             dist.all_reduce(total)
             return float(n / total) if total.item() else 1.0 / bal.size

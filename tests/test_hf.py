@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noq
 import hetero  # noqa: E402
 from conftest import max_diff  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
-from hetero.launch import free_port  # noqa: E402
+from hetero.launch import ROOT, clean_env, free_port  # noqa: E402
 from hetero.sampler import EpochPlan  # noqa: E402
 
 B, SIZES, T, VOCAB, LR, SEED = 8, [6, 2], 12, 16, 0.5, 3
@@ -172,3 +174,11 @@ def test_a_trainer_setting_hetero_cannot_honour_is_one_line(monkeypatch, tmp_pat
     with pytest.raises(ValueError) as e:
         trainer.train()
     assert str(e.value) == line
+
+
+def test_a_download_while_offline_is_one_line_and_exit_2():
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--pretrained", "gpt2"], cwd=ROOT,
+                       env={**clean_env(), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "hetero: error: --pretrained gpt2: not in the local Hugging Face cache and downloads are off "
+        "(HF_HUB_OFFLINE=1): build the model from a config or fill the cache first"]

@@ -182,3 +182,17 @@ def test_a_download_while_offline_is_one_line_and_exit_2():
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "hetero: error: --pretrained gpt2: not in the local Hugging Face cache and downloads are off "
         "(HF_HUB_OFFLINE=1): build the model from a config or fill the cache first"]
+
+
+def test_set_weight_replaces_the_step_weight_and_needs_a_step(monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bal = hetero.Balance(global_batch=B, replay={0: [SIZES]})
+    bal.batch_sampler(B)
+    bal.set_epoch(0)
+    with pytest.raises(RuntimeError, match="set_weight needs a step begun"):
+        bal.set_weight(0.5)
+    bal.begin_step(0)
+    assert bal._weight == SIZES[1] / B      # b_i/B, replaced below for this step only
+    bal.set_weight(0.5)
+    assert bal._weight == 0.5

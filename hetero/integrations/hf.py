@@ -50,7 +50,7 @@ class HeteroTrainer(Trainer):
     """transformers.Trainer with hetero's per-rank batch sizes, b_i/B (or token-share) weighting and rebalancing."""
 
     def __init__(self, *args, balance: Balance, **kwargs):
-        self.balance = balance
+        self.balance, self._token_share = balance, None  # (b) with counts: this step's share (get_batch_samples)
         super().__init__(*args, **kwargs)
         self.add_callback(_BalanceSteps(self))
 
@@ -115,19 +115,33 @@ class HeteroTrainer(Trainer):
                           worker_init_fn=partial(seed_worker, num_workers=workers, rank=a.process_index))
 
     # -- one step: the weight of this rank's gradient ---------------------------------------------------------
+    def _counted(self, num_items_in_batch) -> bool:
+        """Whether the loss is normalised by the Trainer's count of valid label tokens (as compute_loss decides)."""
+        return num_items_in_batch is not None and bool(self.model_accepts_loss_kwargs or self.compute_loss_func)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer's batches and token count; in (b) with a count, also this rank's token share, all-reduced
+        here beside the Trainer's own gather (a) so that the wait falls before the step clock starts."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._token_share = None
+        if self._counted(num_items) and not self.args.average_tokens_across_devices and batches:
+            dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
+            n = torch.as_tensor(num_items, dtype=torch.float64).detach().to(dev).reshape(1)
+            total = n.clone()
+            dist.all_reduce(total)
+            self._token_share = float(n / total) if total.item() else 1.0 / self.balance.size
+        return batches, num_items
+
     def gradient_weight(self, inputs: dict[str, Any], num_items_in_batch) -> float:
         """This rank's gradient weight for the step (the weights sum to 1 over ranks; module docstring: (a), (b))."""
         bal = self.balance
-        counted = num_items_in_batch is not None and (self.model_accepts_loss_kwargs or self.compute_loss_func)
-        if counted and self.args.average_tokens_across_devices:
+        if not bal.scheme.weighted:
+            return 1.0 / bal.size  # sync: DDP's mean, as plain DDP
+        if self._counted(num_items_in_batch) and self.args.average_tokens_across_devices:
             return 1.0 / bal.size  # (a): compute_loss scaled the loss by world, over the global token count
-        if counted and bal.scheme.weighted:  # (b) with this rank's valid-token count: its share of all ranks'
-            dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
-            n = torch.as_tensor(num_items_in_batch, dtype=torch.float64).detach().to(dev).reshape(1)
-            total = n.clone()
-            dist.all_reduce(total)
-            return float(n / total) if total.item() else 1.0 / bal.size
-        return 1.0 / bal.size if not bal.scheme.weighted else bal.last_sizes[bal.rank] / bal.global_batch
+        if self._counted(num_items_in_batch) and self._token_share is not None:
+            return self._token_share  # (b) with counts: this rank's share of the step's valid tokens
+        return bal.last_sizes[bal.rank] / bal.global_batch  # (b): this rank's share of the samples
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         bal = self.balance

@@ -15,13 +15,15 @@ What it changes in the Trainer (docs/huggingface.md):
 
 The two loss conventions, and the count each weight uses:
 (a) the Trainer normalised the loss over every rank: a model taking num_items_in_batch (or a compute_loss_func),
-    average_tokens_across_devices=True (the default), labels in the batch. The Trainer gathers the global count of
-    valid (shifted) label tokens N, each rank's loss is world * (its token-loss sum) / N, and DDP's mean over ranks
-    gives the exact global token mean. hetero must not weight again: weight 1/world.
+    average_tokens_across_devices=True (the default), labels in the batch. The Trainer gathers the global count N
+    of valid label tokens (shifted when the model's loss_type is a causal-LM loss), each rank's loss is
+    world * (its token-loss sum) / N, and DDP's mean over ranks gives the exact global token mean. hetero must not
+    weight again: weight 1/world.
 (b) each rank's loss is its own mean: a model without num_items_in_batch, or average_tokens_across_devices=False.
     Where the Trainer counted this rank's valid tokens n_i (a model taking num_items_in_batch), the weight is the
-    token share n_i / sum(n) (one scalar all-reduce per step): exact with padding. Otherwise the sample share
-    b_i/B, exact when every sample counts alike in the loss (a per-sample mean, or unpadded token rows).
+    token share n_i / sum(n) (one scalar all-reduce per step, before the step clock starts): exact with padding.
+    Otherwise the sample share b_i/B, exact when every sample counts alike in the loss (a per-sample mean, or
+    unpadded token rows).
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The Hugging Face examples under torchrun on 2 CPU ranks (gloo), a tiny GPT-2 on the README's characters, rank 1
-emulated 3x slower and rebalancing every 5 steps: every sample of each epoch is consumed exactly once across the
-ranks, the slow rank's share falls well below a half, and the loss falls as the same script's without hetero. A
-Trainer run stopped after a save_steps checkpoint resumes with hetero's sizes and coverage intact. (The exact
-gradient in both loss conventions is proved in test_hf.py.)"""
+emulated 3x slower and rebalancing every 5 steps (the Trainer's with 2 DataLoader workers): every sample of each
+epoch is consumed exactly once across the ranks, the slow rank's share falls well below a half, and the loss falls
+as the same script's without hetero. A Trainer run stopped after a save_steps checkpoint resumes with hetero's
+sizes and coverage intact. (The exact gradient in both loss conventions is proved in test_hf.py.)"""
 from __future__ import annotations
 
 import json
@@ -45,10 +45,11 @@ def _check(ranks: list[dict], base: list[dict]) -> None:
 
 
 def test_trainer_example_covers_every_sample_moves_shares_and_learns_like_the_trainer(tmp_path):
-    """With the Trainer's evaluation every 5 steps (eval_strategy="steps"), between hetero's steps."""
-    ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--out", str(tmp_path / "out"), "--eval-every", "5")
-    base = _launch("hf_trainer_baseline.py", tmp_path, "--out", str(tmp_path / "base"), "--eval-every", "5",
-                   name="base")
+    """With 2 DataLoader workers running ahead (a decision takes effect at the first step no sampler has handed
+    out) and the Trainer's evaluation every 5 steps (eval_strategy="steps"), between hetero's steps."""
+    both = ["--eval-every", "5", "--workers", "2"]
+    ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--out", str(tmp_path / "out"), *both)
+    base = _launch("hf_trainer_baseline.py", tmp_path, "--out", str(tmp_path / "base"), *both, name="base")
     _check(ranks, base)
     evals, baseline = ranks[0]["eval_losses"], base[0]["eval_losses"]
     assert len(evals) == len(baseline) == 2 * STEPS // 5 and evals[-1] < evals[0]

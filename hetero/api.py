@@ -416,6 +416,14 @@ class Balance:
         all-reduce's completion does). The built-in trainer calls it."""
         self._clock.mark("returned")
 
+    def set_weight(self, weight: float) -> None:
+        """Replace this step's gradient weight (begin_step sets b_i/B, m/B or 1/world), after begin_step and before
+        backward: 1/world where the loss is already normalised over every rank (the HF Trainer's token averaging),
+        or this rank's share of the step's valid tokens. The weights of one step must sum to 1 over the ranks."""
+        if self._clock is None:
+            raise RuntimeError("hetero: set_weight needs a step begun (bal.begin_step or `with bal.step()`)")
+        self._weight = float(weight)
+
     def end_step(self) -> Decision | None:
         """End a step (after the optimizer step); every K steps and at the epoch's end, decide (collective)."""
         self._clock.mark("end")

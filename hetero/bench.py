@@ -1,6 +1,7 @@
 """The benchmark suite on CPU ranks, measured side by side in one run (README: benchmarks, for the method):
 balance efficiency against each run's own ideal, the trainer's overhead over a plain DDP loop, the API's FSDP2
-step over plain FSDP2's (docs/fsdp.md), and the time of one rebalancing decision for 2 to 4096 workers.
+step over plain FSDP2's (docs/fsdp.md), the time of one rebalancing decision for 2 to 4096 workers, and the
+Hugging Face Trainer with hetero over the plain one (docs/huggingface.md).
 
     make bench [QUICK=1]             # = python -m hetero.bench [--quick]; runs/bench/<time>/bench.json, table.md
 """
@@ -14,13 +15,13 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-from . import efficiency, fsdp_overhead, overhead, simbench
+from . import efficiency, fsdp_overhead, hfbench, overhead, simbench
 from .cli import CliParser
 from .launch import ROOT
 from .measure import LaunchError, markdown_table, run_meta
 from .partition import SCHEMES
 
-PARTS = ("balance", "overhead", "fsdp", "balancer")
+PARTS = ("balance", "overhead", "fsdp", "balancer", "hf")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +39,8 @@ class Suite:
     overhead_launches: int = 2
     overhead_epochs: int = 12                   # trainer and plain epochs per launch, in turn; the first warm up
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
+    hf_runs: int = 8                            # HF Trainer runs with hetero and without, in turn
+    hf_steps: int = 40                          # optimizer steps per HF Trainer run
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
     micro_batch: int = 0                        # the trainer's --micro-batch (0: per-rank batch sizes)
     parts: tuple[str, ...] = PARTS
@@ -53,6 +56,8 @@ class Suite:
             raise ValueError("need 1 <= steady_from <= epochs and overhead_epochs >= 2")
         if self.batch_per_rank < 4 or self.steps < 1 or self.repeats < 1 or self.overhead_launches < 1:
             raise ValueError("need batch_per_rank >= 4, steps >= 1, repeats >= 1 and overhead_launches >= 1")
+        if self.hf_runs < 1 or self.hf_steps < hfbench.WARMUP + 2:
+            raise ValueError(f"need hf_runs >= 1 and hf_steps >= {hfbench.WARMUP + 2}")
         if not self.worlds or min(self.worlds) < 2 or not (self.slowdowns or self.delays):
             raise ValueError("need worlds of at least 2 ranks and a slowdown or a delay")
         if min(self.slowdowns, default=1) < 1 or min(self.delays, default=1) <= 0:
@@ -69,7 +74,7 @@ class Suite:
 
 
 QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
-             overhead_epochs=8)
+             overhead_epochs=8, hf_runs=2, hf_steps=20)
 
 
 # -- the report -----------------------------------------------------------------------------------------------
@@ -106,6 +111,9 @@ def checks(res: dict) -> list[dict]:
     if fs := res.get("fsdp_overhead"):
         out.append({"target": "api step <= 1.01 x plain FSDP2 step (same DataLoader)", "value": fs["ratio"],
                     "pass": fs["ratio"] <= 1.01})
+    if hf := res.get("hf"):  # a figure: the target is stated, the suite's tests do not gate on it
+        out.append({"target": "hf Trainer step with hetero <= 1.01 x plain Trainer step", "value": hf["ratio"],
+                    "pass": hf["ratio"] <= 1.01})
     for r in res.get("balancer", []):
         if r["workers"] == 4096:
             out.append({"target": f"one {r['rule']} decision for 4096 workers < 10 ms", "value": r["decision_ms"],
@@ -165,6 +173,12 @@ def table(res: dict) -> str:
                   f"{1e3 * fs['plain_step_s']:.2f} ms/step: ratio {fs['ratio']:.3f} (median of "
                   f"{len(fs['pair_ratios'])} back-to-back step pairs; of medians {fs['ratio_of_medians']:.3f}), "
                   f"{fs['extra_ms_per_step']:+.2f} ms per step", ""]
+    if hf := res.get("hf"):
+        lines += ["## Hugging Face Trainer (no heterogeneity, 2 ranks, tiny GPT-2)", "",
+                  f"HeteroTrainer (edp, rebalancing every {hf['rebalance_every']} steps) "
+                  f"{1e3 * hf['hetero_step_s']:.2f} ms/step, transformers.Trainer {1e3 * hf['plain_step_s']:.2f} ms/step: ratio {hf['ratio']:.3f} "
+                  f"(median of {len(hf['pair_ratios'])} back-to-back run pairs of {hf['steps']} steps; of medians "
+                  f"{hf['ratio_of_medians']:.3f}), {hf['extra_ms_per_step']:+.2f} ms per step", ""]
     if res.get("balancer"):
         rules = ("proportional", "affine")
         lines += ["## One rebalancing decision (median ms)", ""] + markdown_table(
@@ -199,6 +213,8 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     if "balancer" in suite.parts:
         print("bench: balancer decisions", flush=True)
         res["balancer"] = simbench.balancer_cost(suite.workers)
+    if "hf" in suite.parts and (hf := hfbench.measure(out, suite.hf_runs, suite.hf_steps, res["notes"])):
+        res["hf"] = hf
     res["meta"].update(wall_s=time.perf_counter() - t0, load_avg_end=os.getloadavg())
     res["checks"] = checks(res)
     (out / "bench.json").write_text(json.dumps(res, indent=1))
@@ -231,13 +247,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-launches", type=int)
     p.add_argument("--overhead-epochs", type=int)
     p.add_argument("--micro-batch", type=int, help="the trainer's --micro-batch in the balance part (0: off)")
+    p.add_argument("--hf-runs", type=int, help="HF Trainer runs of each kind (the hf part)")
+    p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--no-pin", dest="pin", action="store_false", default=None,
                    help="leave ranks unpinned even when there are more ranks than cores")
     ns = p.parse_args(argv)
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
                                         "batch_per_rank", "steps", "repeats", "overhead_launches", "overhead_epochs",
-                                        "pin", "delays", "micro_batch")
+                                        "pin", "delays", "micro_batch", "hf_runs", "hf_steps")
             if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)

@@ -109,7 +109,7 @@ def env() -> dict[str, str]:
 # on 2 cores, beyond the few the fast tier keeps (one shared trainer launch, the EDP exactness launch, the
 # API's spawned exactness step). Whole modules and single tests, by name.
 SLOW_MODULES = {"test_notebooks", "test_multinode", "test_api_examples", "test_affine_real", "test_sim_vs_real",
-                "test_rebalance"}
+                "test_rebalance", "test_hf_examples"}
 SLOW_TESTS = {
     "test_memory.py::test_probe_on_cpu_ranks_means_no_limit_and_limits_still_hold",
     "test_reliability.py::test_replay_then_resume_reproduces_the_original_bit_for_bit",

@@ -4,6 +4,7 @@ ratios are sane. No absolute times; the emulated slowdown (8x) is far larger tha
 one rank. The two smoke runs are in the slow tier (make test-all)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -29,7 +30,7 @@ def test_bench_quickest(tmp_path):
     out = tmp_path / "bench"
     p = _run([sys.executable, "-m", "hetero.bench", "--quick", "--out", str(out), "--worlds", "2", "--slowdowns", "8",
               "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
-              "--overhead-epochs", "2", "--max-workers", "16"], timeout=240)
+              "--overhead-epochs", "2", "--max-workers", "16", "--hf-runs", "1", "--hf-steps", "6"], timeout=360)
     res = json.loads((out / "bench.json").read_text())
     assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
     assert res["meta"]["suite"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.bench")
@@ -61,7 +62,10 @@ def test_bench_quickest(tmp_path):
     assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
                                                         for n in (2, 4, 8, 16)}
     assert all(r["decision_ms"] > 0 for r in dec)
-    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api"}
+    hf = importlib.util.find_spec("transformers") is not None  # the [hf] extra: its part runs, or is noted
+    if hf:
+        assert res["hf"]["ratio"] > 0 and len(res["hf"]["pair_ratios"]) == 1
+    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api", *["hf"] * hf}
     assert (r["affinity"] == "") == (len(os.sched_getaffinity(0)) >= 2)  # pinned only when oversubscribed
 
 

@@ -1,0 +1,196 @@
+"""hetero for Hugging Face transformers: a Trainer on hetero's per-rank batch sizes, with the exact gradient.
+
+    bal = hetero.Balance(scheme="edp", global_batch=32, rebalance_every=5)
+    args = TrainingArguments(per_device_train_batch_size=16, ...)     # x world = the Balance's global_batch
+    trainer = HeteroTrainer(balance=bal, model=model, args=args, train_dataset=ds, data_collator=collate)
+    trainer.train()                                                    # under torchrun, one process per device
+
+What it changes in the Trainer (docs/huggingface.md):
+- the train DataLoader takes hetero's batch sampler and is NOT passed to accelerator.prepare: prepare would wrap it
+  in a BatchSamplerShard, which hands rank r every world-th of its own batches and breaks hetero's slices;
+- a callback brackets every optimizer step (begin_step at on_step_begin, end_step at on_step_end: the step clock,
+  decisions every K steps and at epoch ends) and attaches the comm hook to the Trainer's DDP model;
+- training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
+- hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...).
+
+The two loss conventions, and the count each weight uses:
+(a) the Trainer normalised the loss over every rank: a model taking num_items_in_batch (or a compute_loss_func),
+    average_tokens_across_devices=True (the default), labels in the batch. The Trainer gathers the global count N
+    of valid label tokens (shifted when the model's loss_type is a causal-LM loss), each rank's loss is
+    world * (its token-loss sum) / N, and DDP's mean over ranks gives the exact global token mean. hetero must not
+    weight again: weight 1/world.
+(b) each rank's loss is its own mean: a model without num_items_in_batch, or average_tokens_across_devices=False.
+    Where the Trainer counted this rank's valid tokens n_i (a model taking num_items_in_batch), the weight is the
+    token share n_i / sum(n) (one scalar all-reduce per step, before the step clock starts): exact with padding.
+    Otherwise the sample share b_i/B, exact when every sample counts alike in the loss (a per-sample mean, or
+    unpadded token rows).
+"""
+from __future__ import annotations
+
+import os
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
+
+from ..api import Balance
+
+STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
+
+
+def _rows(inputs: dict[str, Any]) -> int | None:
+    """The batch's number of samples (the first dimension of its first tensor), None without tensors."""
+    return next((len(v) for v in inputs.values() if torch.is_tensor(v) and v.dim()), None)
+
+
+class HeteroTrainer(Trainer):
+    """transformers.Trainer with hetero's per-rank batch sizes, b_i/B (or token-share) weighting and rebalancing."""
+
+    def __init__(self, *args, balance: Balance, **kwargs):
+        self.balance, self._token_share = balance, None  # (b) with counts: this step's share (get_batch_samples)
+        super().__init__(*args, **kwargs)
+        self.add_callback(_BalanceSteps(self))
+
+    # -- what the Trainer must not do with hetero -----------------------------------------------------------------
+    def _refuse(self) -> None:
+        """One clear line for each Trainer setting hetero cannot honour (the same on every rank: no rank hangs)."""
+        a, bal = self.args, self.balance
+        if bal.size < 2:
+            raise ValueError("hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); "
+                             "one process has nothing to balance: use transformers.Trainer")
+        if a.gradient_accumulation_steps != 1:
+            raise ValueError("hetero: gradient_accumulation_steps must be 1 (every rank would accumulate the same "
+                             "count): raise the Balance's global_batch instead")
+        if a.per_device_train_batch_size * bal.size != bal.global_batch:
+            raise ValueError(f"hetero: per_device_train_batch_size x world ({a.per_device_train_batch_size} x "
+                             f"{bal.size}) must equal the Balance's global_batch {bal.global_batch}: it is the mean "
+                             f"per-rank batch the Trainer logs; hetero decides each rank's own")
+        if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential"):
+            raise ValueError(f"hetero: train_sampling_strategy={a.train_sampling_strategy!r} is not supported: "
+                             f"hetero's sampler decides every rank's samples")
+        if a.auto_find_batch_size:
+            raise ValueError("hetero: auto_find_batch_size is not supported: set the Balance's max_batch")
+        if bal.micro_batch:
+            raise ValueError("hetero: micro_batch is not supported with the Trainer (it accumulates one fixed "
+                             "count on every rank): use it in your own loop")
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """Trainer.train, and hetero's sizes and decisions read back from the checkpoint folder when resuming."""
+        self._refuse()
+        if resume_from_checkpoint is True:  # resolved here as the Trainer does, to read hetero's file from it
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"hetero: no checkpoint in {self.args.output_dir} to resume from")
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, STATE_NAME)
+            if not os.path.isfile(path):
+                raise ValueError(f"hetero: {resume_from_checkpoint} has no {STATE_NAME}: it was not saved by "
+                                 f"HeteroTrainer")
+            self.balance.load_state_dict(torch.load(path, weights_only=True))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    # -- the data: hetero's batch sampler, not sharded again by accelerate ------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """This rank's slices of each step's window (hetero.sampler), with the Trainer's collator and workers."""
+        ds, a = self.train_dataset, self.args
+        if ds is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__"):
+            raise ValueError("hetero: the train dataset needs a length (an IterableDataset has none): hetero cuts "
+                             "each step's window of one permutation of it")
+        collate = self.data_collator
+        if hasattr(ds, "column_names") and hasattr(ds, "remove_columns"):  # a datasets.Dataset
+            ds = self._remove_unused_columns(ds, description="Training")
+        else:
+            collate = self._get_collator_with_removed_columns(collate, description="Training")
+        workers = a.dataloader_num_workers
+        # not accelerator.prepare(...): its BatchSamplerShard would give this rank every world-th of its own batches
+        return DataLoader(ds, batch_sampler=self.balance.batch_sampler(len(ds)), collate_fn=collate,
+                          num_workers=workers, pin_memory=a.dataloader_pin_memory,
+                          persistent_workers=a.dataloader_persistent_workers and workers > 0,
+                          prefetch_factor=a.dataloader_prefetch_factor if workers else None,
+                          worker_init_fn=partial(seed_worker, num_workers=workers, rank=a.process_index))
+
+    # -- one step: the weight of this rank's gradient ---------------------------------------------------------
+    def _counted(self, num_items_in_batch) -> bool:
+        """Whether the loss is normalised by the Trainer's count of valid label tokens (as compute_loss decides)."""
+        return num_items_in_batch is not None and bool(self.model_accepts_loss_kwargs or self.compute_loss_func)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer's batches and token count; in (b) with a count, also this rank's token share, all-reduced
+        here beside the Trainer's own gather (a) so that the wait falls before the step clock starts."""
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._token_share = None
+        if self._counted(num_items) and not self.args.average_tokens_across_devices and batches:
+            dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
+            n = torch.as_tensor(num_items, dtype=torch.float64).detach().to(dev).reshape(1)
+            total = n.clone()
+            dist.all_reduce(total)
+            self._token_share = float(n / total) if total.item() else 1.0 / self.balance.size
+        return batches, num_items
+
+    def gradient_weight(self, inputs: dict[str, Any], num_items_in_batch) -> float:
+        """This rank's gradient weight for the step (the weights sum to 1 over ranks; module docstring: (a), (b))."""
+        bal = self.balance
+        if not bal.scheme.weighted:
+            return 1.0 / bal.size  # sync: DDP's mean, as plain DDP
+        if self._counted(num_items_in_batch) and self.args.average_tokens_across_devices:
+            return 1.0 / bal.size  # (a): compute_loss scaled the loss by world, over the global token count
+        if self._counted(num_items_in_batch) and self._token_share is not None:
+            return self._token_share  # (b) with counts: this rank's share of the step's valid tokens
+        return bal.last_sizes[bal.rank] / bal.global_batch  # (b): this rank's share of the samples
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        bal = self.balance
+        rows, want = _rows(inputs), bal.last_sizes[bal.rank]
+        if rows is not None and rows != want:
+            raise RuntimeError(f"hetero: step got {rows} samples, the schedule says {want}: is the train "
+                               f"DataLoader HeteroTrainer's own?")
+        weight = self.gradient_weight(inputs, num_items_in_batch)
+        bal.set_weight(weight)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # the Trainer logs the mean of the ranks' losses: scaled so, it is the weighted mean, the global batch's
+        return loss * (weight * bal.size)
+
+
+class _BalanceSteps(TrainerCallback):
+    """Attaches the Balance to the Trainer's DDP model, brackets its optimizer steps and saves its state."""
+
+    def __init__(self, trainer: HeteroTrainer):
+        self.trainer, self.epoch, self._ddp = trainer, 0, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        bal, ddp = self.trainer.balance, self.trainer.model_wrapped
+        if not isinstance(ddp, DistributedDataParallel):
+            hint = ("; on CPU ranks set TrainingArguments(use_cpu=True), or accelerate runs no DDP" if
+                    args.parallel_mode.value != "distributed" else ": FSDP, DeepSpeed and model parallelism are not "
+                    "supported")
+            raise ValueError(f"hetero: the Trainer's model is a {type(ddp).__name__}, not DistributedDataParallel, "
+                             f"which hetero weights{hint}")
+        if ddp is not self._ddp:  # a second train() on the same DDP model keeps its hook (DDP takes one)
+            bal.attach(ddp)
+            self._ddp = ddp
+        self.epoch = state.global_step // bal.steps_per_epoch  # a resumed run starts inside its epoch
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.trainer.balance.set_epoch(self.epoch)  # before the Trainer iterates the loader
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        bal = self.trainer.balance
+        bal.begin_step(state.global_step - self.epoch * bal.steps_per_epoch)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.balance.end_step()  # after the optimizer step; decides every K steps and at the epoch's end
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.epoch += 1
+
+    def on_save(self, args, state, control, **kwargs):
+        if args.should_save:  # the folder _save_checkpoint just wrote (hyperparameter search runs elsewhere)
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            torch.save(self.trainer.balance.state_dict(), os.path.join(folder, STATE_NAME))

@@ -142,6 +142,10 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
         if (path / "config.json").exists() and not (resume or overwrite):
             raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
                               f"--overwrite to replace it, or choose another --run-dir")
+        # the tables are appended in place (O_NOFOLLOW would refuse a link there only after the first epoch)
+        if links := [n for n in (f"{t}.csv" for t in TABLES) if (path / n).is_symlink()]:
+            raise ConfigError(f"run folder {path}: {links[0]} is a symbolic link: hetero does not write through links "
+                              f"it did not create (remove it)")
         for tmp in [*path.glob(".*.tmp"), *path.glob(".write-test-*")]:
             tmp.unlink(missing_ok=True)
     except BaseException:

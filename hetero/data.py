@@ -125,7 +125,7 @@ def scan_folder(root: Path, part: str, classes: list[str]) -> list[ImageFile]:
                 if stat.S_ISDIR(st.st_mode):
                     pending.append(where)
                 elif not stat.S_ISREG(st.st_mode):
-                    raise DataError(f"image folder {root}: {where} is {safeio._kind(st.st_mode)}, not a regular "
+                    raise DataError(f"image folder {root}: {where} is {safeio.file_kind(st.st_mode)}, not a regular "
                                     f"file: refusing to open it (remove it)")
                 elif e.name.lower().endswith(IMG_EXTENSIONS):
                     files.append((e.name, st))

@@ -173,7 +173,13 @@ def _conflict(run_dir: Path, cfg: Config) -> list[str]:
     path = run_dir / "config.json"
     if not path.exists() or path.stat().st_size == 0:
         return []
-    saved = json.loads(path.read_text()).get("config", {})
+    try:  # safeio: a FIFO there is refused without being opened (the check would block on it)
+        saved = json.loads(safeio.read_bytes(path, "config file")).get("config", {})
+        if not isinstance(saved, dict):
+            raise ValueError("no config record")
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"{run_dir} holds an unreadable config.json ({type(e).__name__}): delete the folder or choose another "
+                f"grid name"]
     planned = cfg.to_dict()
     defaults = {f.name: f.default for f in fields(Config)}  # a field added since the run holds its default
     diff = [f"{k} {saved.get(k, defaults[k])!r} != {planned[k]!r}" for k in planned

@@ -23,7 +23,8 @@ class UnsafeFile(OSError):
     """A file hetero refuses to open (a link where it writes, a FIFO or device where it reads): one line."""
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a file's mode says it is, for an error line ("a FIFO", "a character device", ...)."""
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
         if test(mode):
@@ -36,7 +37,7 @@ def regular_file(path: Path, what: str = "file") -> os.stat_result:
     the opener until a writer comes). FileNotFoundError passes through."""
     st = os.stat(path)
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafeFile(errno.EINVAL, f"{what} {path} is {_kind(st.st_mode)}, not a regular file: refusing to "
+        raise UnsafeFile(errno.EINVAL, f"{what} {path} is {file_kind(st.st_mode)}, not a regular file: refusing to "
                                        f"open it")
     return st
 

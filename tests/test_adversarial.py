@@ -464,3 +464,11 @@ def test_a_stopped_worker_dies_with_its_launcher_and_frees_the_folder(tmp_path):
             os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_grid_folder_with_an_unreadable_config_is_one_line(tmp_path, capsys):
+    run = tmp_path / "g" / "tiny-edp-none-s0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{not json")
+    _one_line(_grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), capsys=capsys),
+              "holds an unreadable config.json")

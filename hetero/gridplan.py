@@ -150,8 +150,8 @@ def plan_grid(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_tim
 
 
 def _unknown(name: str) -> str:
-    near = difflib.get_close_matches(name, PARAMETERS, n=1)
-    return (f"unknown parameter {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+    near = difflib.get_close_matches(str(name)[:100], PARAMETERS, n=1)
+    return (f"unknown parameter {shown(name)}" + (f" (did you mean {near[0]!r}?)" if near else "")
             + f": not a Config field nor one of {', '.join(GRID_KEYS)}")
 
 

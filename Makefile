@@ -11,12 +11,6 @@ NNODES ?= 1
 NODE_RANK ?= 0
 RDZV_ENDPOINT ?= 127.0.0.1:29500
 RDZV_ID ?= hetero
-ifeq ($(NNODES),1)
-TORCHRUN_ARGS := --standalone --nproc-per-node=$(NPROC) --log-dir=/dev/null
-else
-TORCHRUN_ARGS := --nnodes=$(NNODES) --node-rank=$(NODE_RANK) --nproc-per-node=$(NPROC) \
-	--rdzv-backend=c10d --rdzv-endpoint="$$RDZV_ENDPOINT" --rdzv-id="$$RDZV_ID" --log-dir=/dev/null
-endif
 
 FIELDS := MODEL SCHEME HETERO EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTUM WEIGHT_DECAY DATA DATA_DIR \
 	SUBSET TEST_SUBSET AUGMENT SEED DEVICE BACKEND THREADS REBALANCE_EVERY SMOOTHING DEADBAND SIGNIFICANCE TIMEOUT_S \
@@ -29,11 +23,30 @@ ifneq ($(UNKNOWN),)
 $(error hetero: error: unknown make variable $(foreach v,$(UNKNOWN),$(v)$(if $(filter $(v)%,$(FIELDS) $(SETTINGS)), (did \
 	you mean $(firstword $(filter $(v)%,$(FIELDS) $(SETTINGS)))?))): make help lists the variables)
 endif
+# Values reach the recipes literally. make expands a command-line or environment value wherever it is used, so
+# `$(shell ...)` in one would run and `done$X2` would lose its `$X`: a value holding make syntax ($( or ${) is
+# refused before anything expands it, and any other `$` is kept as it is (re-set as a simple variable).
+given = $(foreach v,$(FIELDS) $(SETTINGS),$(if $(filter command line environment,$(origin $(v))),$(v)))
+lparen := (
+lbrace := {
+syntax = $(or $(findstring $$$(lparen),$(value $(1))),$(findstring $$$(lbrace),$(value $(1))))
+MAKE_SYNTAX := $(strip $(foreach v,$(given),$(if $(call syntax,$(v)),$(v))))
+ifneq ($(MAKE_SYNTAX),)
+$(error hetero: error: $(firstword $(MAKE_SYNTAX)) holds make syntax ($$$(lparen) or $$$(lbrace)), which make would \
+	run or expand: values are taken literally, so it is refused)
+endif
+$(foreach v,$(given),$(if $(findstring $$,$(value $(v))),$(eval override $(v) := $(subst $$,$$$$,$(value $(v))))))
 # Numbers that reach shell arithmetic must be numbers (bash evaluates $(( )) operands as expressions).
 digits = $(if $(and $(1),$(filter 1,$(words $(1))),$(if $(strip $(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst \
 	4,,$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1)))))))))))),,1)),,$(error hetero: error: $(2) \
 	must be a whole number (got '$(1)')))
 $(call digits,$(NPROC),NPROC)$(call digits,$(NNODES),NNODES)$(call digits,$(NODE_RANK),NODE_RANK)
+ifeq ($(NNODES),1)
+TORCHRUN_ARGS := --standalone --nproc-per-node=$(NPROC) --log-dir=/dev/null
+else
+TORCHRUN_ARGS := --nnodes=$(NNODES) --node-rank=$(NODE_RANK) --nproc-per-node=$(NPROC) \
+	--rdzv-backend=c10d --rdzv-endpoint="$$RDZV_ENDPOINT" --rdzv-id="$$RDZV_ID" --log-dir=/dev/null
+endif
 # Values reach the recipes through the environment ("$$MODEL"), never pasted into the command text: a value
 # holding ' or ; stays one argument and runs nothing.
 # (export each after its default: `export V` first would define V empty, and V ?= would then keep that)
@@ -108,6 +121,7 @@ define grid_recipe  # $(1): grid name, $(2): parameter file
 		$(QUIET_KERNEL)
 endef
 define report_recipe  # $(1): grid folder, $(2): output folder
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m hetero.analysis --check $(1) $(2) $(if $(RUNS),$$RUNS)
 	mkdir -p $(2)
 	$(PAPERMILL) notebooks/report.ipynb $(2)/report.ipynb -p grid_dir $(1) -p out_dir $(2) \
 		$(if $(RUNS),-y "run_dirs: [$$(printf '%s, ' $$RUNS | sed 's/, $$//')]") \

@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from . import safeio
 from .emulator import parse_hetero
 from .launch import from_root
 from .partition import SCHEMES
@@ -229,3 +230,37 @@ def describe(frames: Frames) -> str:
         text += "\n\nLeft out (not completed):\n\n" + "\n".join(
             f"* `{r.run}`: {r.status}" + (f", {r.error}" if r.error else "") for r in missing.itertuples())
     return text
+
+
+def save_table(table: pd.DataFrame, path: str | Path) -> None:
+    """A table as CSV, written through safeio (a link planted at it is replaced, its target untouched)."""
+    safeio.write_text(Path(path), table.to_csv(index=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hetero.analysis --check GRID_DIR OUT_DIR [RUN_DIR ...]`: what make report checks before papermill
+    runs the report: runs to report on, and no symbolic link where the report is written. One line, exit 2."""
+    import sys
+
+    from .cli import CliParser
+    from .gridplan import REPORT_FILES, GridError, no_links
+
+    p = CliParser(prog="python -m hetero.analysis", description="Check a report's inputs (make report).")
+    p.add_argument("--check", action="store_true", required=True, help="check only (the only mode)")
+    p.add_argument("grid_dir")
+    p.add_argument("out_dir")
+    p.add_argument("run_dirs", nargs="*")
+    ns = p.parse_args(argv)
+    try:
+        runs = find_runs(ns.run_dirs or ns.grid_dir)
+        if missing := [r for r in runs if not (r / "config.json").is_file()]:
+            raise FileNotFoundError(f"{missing[0]} is not a run folder (no config.json)")
+        no_links(from_root(ns.out_dir), REPORT_FILES)
+    except (FileNotFoundError, GridError) as e:
+        print(f"hetero: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

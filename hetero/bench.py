@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
-from . import efficiency, fsdp_overhead, hfbench, overhead, simbench
+from . import efficiency, fsdp_overhead, hfbench, overhead, safeio, simbench
 from .cli import CliParser
 from .launch import ROOT
 from .measure import LaunchError, markdown_table, run_meta
@@ -217,8 +217,8 @@ def run(suite: Suite, out: Path, command: str) -> dict:
         res["hf"] = hf
     res["meta"].update(wall_s=time.perf_counter() - t0, load_avg_end=os.getloadavg())
     res["checks"] = checks(res)
-    (out / "bench.json").write_text(json.dumps(res, indent=1))
-    (out / "table.md").write_text(table(res))
+    safeio.write_text(out / "bench.json", json.dumps(res, indent=1))  # never through a planted link
+    safeio.write_text(out / "table.md", table(res))
     return res
 
 

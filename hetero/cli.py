@@ -6,10 +6,11 @@ fields' metadata), and the parser class every hetero command uses for one-line e
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from dataclasses import fields
 
-from .config import Config, _flag
+from .config import Config, _flag, shown
 
 
 def _bool(text: str) -> bool:
@@ -18,6 +19,23 @@ def _bool(text: str) -> bool:
     if text.lower() in ("0", "false", "no", "off", ""):
         return False
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _int(text: str) -> int:
+    """A whole number in ASCII digits (int() also takes '٣'); Config bounds its range (type_problem: int64, then
+    each field's own), and a text past int()'s 4,300-digit limit is refused here without conversion."""
+    if len(text) > 1000 or not re.fullmatch(r"[+-]?[0-9]+", text.strip()):
+        raise argparse.ArgumentTypeError(f"invalid int value: {shown(text)}")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    if len(text) > 100:  # float() takes 400 digits and says inf: a typo, not a number anyone means
+        raise argparse.ArgumentTypeError(f"invalid float value: {shown(text)}")
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {shown(text)}") from None
 
 
 class CliParser(argparse.ArgumentParser):
@@ -45,7 +63,7 @@ def build_parser(prog: str = "python -m hetero.train") -> argparse.ArgumentParse
     p = CliParser(prog=prog, allow_abbrev=False, description="Heterogeneity-aware DDP training (run under torchrun). "
                   "Every flag --foo-bar is also the Make variable FOO_BAR= and the notebook parameter foo_bar.")
     for f in fields(Config):
-        kind = {"int": int, "float": float, "str": str, "bool": _bool}[str(f.type)]
+        kind = {"int": _int, "float": _float, "str": str, "bool": _bool}[str(f.type)]
         # the help text is escaped for argparse's %-formatting; choices are checked by Config (one-line errors)
         text = flag_help(f.name).replace("%", "%%")
         if kind is _bool:

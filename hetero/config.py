@@ -6,8 +6,11 @@ import dataclasses
 import math
 import os
 import re
+import reprlib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from . import safeio
 
 
 class ConfigError(ValueError):
@@ -19,20 +22,57 @@ class ConfigError(ValueError):
 # overflow near 1e13 s, and no single collective should wait more than 30 days.
 MAX_SEED = 2**32 - 1
 MAX_TIMEOUT_S = 30 * 86400.0
+# Below a few seconds a collective times out while a peer merely starts up or imports torch (c10d then prints
+# dozens of lines on every rank instead of one).
+MIN_TIMEOUT_S = 5.0
+# Every whole number fits torch's int64 (and a float's exponent): larger ones are refused before any conversion.
+MAX_INT = 2**63 - 1
+MAX_CORE = 65535  # the largest CPU core number --affinity takes (a range is expanded into a set)
 _KINDS = {"int": int, "float": float, "str": str, "bool": bool}
+_PATHS = ("run_dir", "resume", "replay", "data_dir")
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """A value as an error line shows it: its repr, shortened past `limit` characters (a 400-digit number, a
+    226 MB string from a YAML alias bomb), never converted in a way that can fail."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        try:
+            return f"a {len(str(abs(value)))}-digit number"
+        except ValueError:  # past str()'s 4,300 digits
+            return f"a number of about {int(value.bit_length() * 0.30103)} digits"
+    if isinstance(value, (list, tuple, dict)):  # nested values may share (YAML aliases): repr only a bounded part
+        r = reprlib.Repr()
+        r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxlong, r.maxother = 3, 6, 6, 40, 40, 40
+        try:
+            text = r.repr(value)
+        except ValueError:  # an int past Python's 4,300-digit str() limit inside
+            text = f"a {type(value).__name__} of {len(value)} values"
+        return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
+    text = repr(value[:limit] if isinstance(value, str) else value)
+    n = len(value) if isinstance(value, str) else len(text)
+    return text if len(text) <= limit and n <= limit else f"{text[:limit - 20]}... ({n} characters)"
 
 
 def type_problem(name: str, value: object) -> str:
-    """Why `value` cannot be Config field `name` ("" if it can): an int field takes whole numbers, a float field
-    numbers, a bool field true/false, a str field text; bool is no number here."""
+    """Why `value` cannot be Config field `name` ("" if it can): an int field takes whole numbers (within int64),
+    a float field numbers, a bool field true/false, a str field text; bool is no number here."""
     kind = _KINDS[str(next(f.type for f in fields(Config) if f.name == name))]
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > MAX_INT:
+            return f"{name} must be a number of at most 2**63-1 (got {shown(value)})"
         ok = True
+    if ok and kind is int and abs(value) > MAX_INT:
+        return f"{name} must be a whole number of at most 2**63-1 (got {shown(value)})"
     if ok:
         return ""
     what = {int: "a whole number", float: "a number", str: "text", bool: "true or false"}[kind]
-    return f"{name} must be {what} (got {value!r}, {type(value).__name__})"
+    return f"{name} must be {what} (got {shown(value)}, {type(value).__name__})"
+
+
+def _whole(text: str) -> bool:
+    """A per-rank number as text: ASCII digits only ('²'.isdigit() is true), at most 18 of them (int64)."""
+    return re.fullmatch(r"[0-9]{1,18}", text.strip()) is not None
 
 
 # Choices of the enumerated fields (models.MODELS and partition.SCHEMES hold the same names; a test checks it).
@@ -88,13 +128,16 @@ class Config:
     channels_last: bool = _opt(False, "channels-last memory format for model and batches (GPU fast path)")
 
     def __post_init__(self):
-        from .emulator import parse_hetero
+        from .emulator import longest_delay_s, parse_hetero
         from .models import MODELS
         from .partition import SCHEMES
 
         for f in fields(self):  # argparse types the flags; Python callers and grid files may not
             if problem := type_problem(f.name, getattr(self, f.name)):
                 raise ConfigError(problem)
+        for name in _PATHS:
+            if problem := safeio.path_problem(getattr(self, name)):
+                raise ConfigError(f"--{_flag(name)} {shown(getattr(self, name), 50)} {problem}")
         if self.model not in MODELS:
             raise ConfigError(f"unknown model {self.model!r}: choose one of {', '.join(MODELS)}")
         if self.scheme not in SCHEMES:
@@ -105,19 +148,20 @@ class Config:
             if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", d.strip()):
                 raise ConfigError(f"unknown device {d!r} in --device {self.device!r}: use auto, cpu, cuda or cuda:K")
         for v in self.threads.split(","):
-            if not v.strip().isdigit():
-                raise ConfigError(f"--threads {self.threads!r}: expected whole numbers >= 0, one or one per rank")
+            if not _whole(v):
+                raise ConfigError(f"--threads {shown(self.threads)}: expected whole numbers >= 0 (at most 18 digits), "
+                                  f"one or one per rank")
         for v in self.max_batch.split(","):
-            if not (v.strip().isdigit() or v.strip() == "probe"):
-                raise ConfigError(f"--max-batch {self.max_batch!r}: expected whole numbers >= 0 or probe, one or one "
-                                  f"per rank")
+            if not (_whole(v) or v.strip() == "probe"):
+                raise ConfigError(f"--max-batch {shown(self.max_batch)}: expected whole numbers >= 0 (at most 18 "
+                                  f"digits) or probe, one or one per rank")
         if self.affinity:
             for part in filter(None, self.affinity.split(",")):  # an empty entry leaves that rank unpinned
                 try:
                     parse_cores(part)
-                except ValueError:
-                    raise ConfigError(f"--affinity {self.affinity!r}: {part!r} is not a core list like 0-3 or "
-                                      f"4+6") from None
+                except ValueError as e:
+                    raise ConfigError(f"--affinity {shown(self.affinity)}: {shown(part, 30)} is not a core list like "
+                                      f"0-3 or 4+6{f' ({e})' if str(e) else ''}") from None
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ConfigError(f"unknown backend {self.backend!r}: choose auto, gloo or nccl")
         for name in ("epochs", "global_batch", "lr", "timeout_s", "eval_batch"):
@@ -132,6 +176,9 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be non-negative (got {v})")
         if self.seed > MAX_SEED:
             raise ConfigError(f"--seed must be at most 2**32-1 = {MAX_SEED} (got {self.seed})")
+        if self.timeout_s < MIN_TIMEOUT_S:
+            raise ConfigError(f"--timeout-s must be at least {MIN_TIMEOUT_S:g} s (got {self.timeout_s:g}): a shorter "
+                              f"one times out while a peer is still starting")
         if self.timeout_s > MAX_TIMEOUT_S:
             raise ConfigError(f"--timeout-s must be at most {MAX_TIMEOUT_S:.0f} (30 days; got {self.timeout_s:g})")
         if not 0 <= self.significance <= 100:
@@ -149,9 +196,12 @@ class Config:
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite contradict each other: choose one")
         try:
-            parse_hetero(self.hetero)
+            rank, delay_s = longest_delay_s(parse_hetero(self.hetero))
         except ValueError as e:
-            raise ConfigError(f"bad --hetero {self.hetero!r}: {e}") from None
+            raise ConfigError(f"bad --hetero {shown(self.hetero)}: {e}") from None
+        if delay_s >= self.timeout_s:  # the peers would wait longer than the timeout each step: a dead rank to them
+            raise ConfigError(f"bad --hetero {shown(self.hetero)}: rank {rank} is delayed {delay_s:g} s per step, "
+                              f"not below --timeout-s {self.timeout_s:g}")
         if any(m.strip().isdigit() and 0 < int(m) < self.min_batch for m in self.max_batch.split(",")):
             raise ConfigError(f"--max-batch {self.max_batch} is below --min-batch {self.min_batch}")
 
@@ -265,9 +315,13 @@ def parse_cores(text: str) -> set[int]:
     cores: set[int] = set()
     for part in text.strip().split("+"):
         a, _, b = part.partition("-")
+        if not (_whole(a) and (not b or _whole(b))):
+            raise ValueError("")
         lo, hi = int(a), int(b or a)
+        if hi > MAX_CORE:  # checked before the range is expanded: 0-99999999 would take gigabytes
+            raise ValueError(f"core numbers go up to {MAX_CORE}")
         if lo < 0 or hi < lo:
-            raise ValueError(text)
+            raise ValueError("")
         cores.update(range(lo, hi + 1))
     return cores
 
@@ -285,6 +339,22 @@ def _cores_text(cores: list[int]) -> str:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def check_launch(rank: int, local_rank: int, world: int, local_world: int, endpoint: str | None) -> None:
+    """The launch's own numbers, before anything indexes by them: this node's ranks inside the world (NODE_RANK
+    below NNODES), and a rendezvous endpoint (RDZV_ENDPOINT) of the form host:port."""
+    first = rank - local_rank
+    if not (0 <= local_rank < local_world and 0 <= first and first + local_world <= world):
+        raise ConfigError(f"rank {first} (this node's first) with {local_world} local rank(s) is outside the world of "
+                          f"{world}: NODE_RANK must be below NNODES")
+    if endpoint is not None:
+        host, port = (endpoint.rsplit(":", 1) + [""])[:2] if not endpoint.startswith("[") else \
+            (endpoint.rsplit("]:", 1)[0] + "]", endpoint.rsplit("]:", 1)[1] if "]:" in endpoint else "")
+        if not (re.fullmatch(r"[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]", host)
+                and re.fullmatch(r"[0-9]{1,5}", port) and 0 < int(port) < 65536):
+            raise ConfigError(f"RDZV_ENDPOINT {shown(endpoint)} is not HOST:PORT (a host name or address and a port "
+                              f"1-65535)")
 
 
 def default_run_dir(cfg: Config, stamp: str) -> Path:

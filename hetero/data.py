@@ -6,15 +6,20 @@ at any step, with no DataLoader to rebuild when batch sizes change; on a GPU the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
+import json
 import os
+import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import safeio
 from .seeding import SUBSET, epoch_seed
 
 IMAGE_SIZE = 32
@@ -41,12 +46,15 @@ class DataSet:
 def _locked(path: Path):
     """Ranks on one host take turns, so one downloads or decodes while the others wait and then read."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    try:
+        fd = safeio.open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK)
+    except OSError as e:
+        raise DataError(f"cannot lock {path}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def _cifar10(root: Path) -> tuple:
@@ -73,21 +81,71 @@ def _cifar10(root: Path) -> tuple:
             list(train.classes))
 
 
-def _decode_folder(folder: Path, classes: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    from PIL import Image
-    from torchvision.datasets import ImageFolder
+@dataclass(frozen=True)
+class ImageFile:
+    """One image of an image folder, as scanned: what the decoded-image cache is keyed by."""
+    path: str        # relative to the image folder's root
+    label: int
+    size: int        # bytes
+    mtime_ns: int
+
+
+def scan_folder(root: Path, part: str, classes: list[str]) -> list[ImageFile]:
+    """The images of root/part/<class>/..., in torchvision ImageFolder's order, looked at without being opened.
+
+    Symbolic links to folders below root/part are refused by name (a link can loop, `loop -> ..`, or pull another
+    class's images in); links to files are followed. Anything not a regular file or folder (a FIFO, a device)
+    is refused by name: opening a FIFO blocks until a writer comes."""
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
+    folder = root / part
     found = _classes(folder)
     if found != classes:
         raise DataError(f"{folder} has classes {found}, expected {classes} as in the train folder")
-    for c in classes:  # torchvision's own complaint names no folder
-        if not any(f.suffix.lower() in IMG_EXTENSIONS for f in (folder / c).rglob("*") if f.is_file()):
+    out: list[ImageFile] = []
+    for label, c in enumerate(classes):
+        walked: list[tuple[str, list[tuple[str, os.stat_result]]]] = []
+        pending = [os.path.join(folder, c)]
+        while pending:  # os.walk without following links, each folder's files stat-ed once
+            top = pending.pop()
+            files = []
+            for e in os.scandir(top):
+                where = os.path.join(top, e.name)
+                if e.is_symlink():
+                    try:
+                        st = os.stat(where)
+                    except OSError:
+                        raise DataError(f"image folder {root}: {where} is a broken symbolic link (remove it)") \
+                            from None
+                    if stat.S_ISDIR(st.st_mode):
+                        raise DataError(f"image folder {root}: {where} is a symbolic link to a folder; hetero does "
+                                        f"not follow those (one can loop): replace it with the folder or its files")
+                else:
+                    st = e.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    pending.append(where)
+                elif not stat.S_ISREG(st.st_mode):
+                    raise DataError(f"image folder {root}: {where} is {safeio.file_kind(st.st_mode)}, not a regular "
+                                    f"file: refusing to open it (remove it)")
+                elif e.name.lower().endswith(IMG_EXTENSIONS):
+                    files.append((e.name, st))
+            walked.append((top, sorted(files, key=lambda f: f[0])))
+        images = [ImageFile(os.path.relpath(os.path.join(top, name), root), label, st.st_size, st.st_mtime_ns)
+                  for top, files in sorted(walked, key=lambda w: w[0]) for name, st in files]
+        if not images:  # torchvision's own complaint names no folder
             raise DataError(f"class folder {folder / c} holds no images ({', '.join(IMG_EXTENSIONS)})")
-    ds = ImageFolder(str(folder))
-    x = np.empty((len(ds.samples), IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
-    for i, (path, _) in enumerate(ds.samples):
+        out += images
+    return out
+
+
+def _decode_folder(root: Path, images: list[ImageFile]) -> tuple[torch.Tensor, torch.Tensor]:
+    from PIL import Image
+
+    x = np.empty((len(images), IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
+    for i, f in enumerate(images):
+        path = root / f.path
         try:
+            safeio.regular_file(path, "image")  # scanned as one, but it may have been swapped since
             with Image.open(path) as im:
                 im = im.convert("RGB")  # decodes: a truncated file fails here, not at open
                 if im.size != (IMAGE_SIZE, IMAGE_SIZE):
@@ -95,12 +153,16 @@ def _decode_folder(folder: Path, classes: list[str]) -> tuple[torch.Tensor, torc
                 x[i] = np.asarray(im)
         except Exception as e:  # noqa: BLE001 - PIL raises OSError, SyntaxError, ValueError, ... for bad files
             raise DataError(f"cannot decode image {path}: {type(e).__name__}: {e} (remove or replace it)") from None
-    return torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.tensor(ds.targets)
+    return torch.from_numpy(x.transpose(0, 3, 1, 2).copy()), torch.tensor([f.label for f in images])
 
 
 def _classes(folder: Path) -> list[str]:
     """The class subfolders of an image folder, sorted (as torchvision's ImageFolder numbers them)."""
-    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir())
+    links = sorted(e.name for e in os.scandir(folder) if e.is_symlink() and e.is_dir())
+    if links:
+        raise DataError(f"image folder {folder}: class folder {links[0]} is a symbolic link to a folder; hetero does "
+                        f"not follow those (one can loop): replace it with the folder")
+    classes = sorted(e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=False))
     if not classes:
         raise DataError(f"image folder {folder} has no class subfolders: expected {folder}/<class>/*.jpg")
     return classes
@@ -111,25 +173,46 @@ def _imagefolder(root: Path) -> tuple:
         if not (root / part).is_dir():
             raise DataError(f"image folder {root} has no {part}/ subfolder: expected {root}/{part}/<class>/*.jpg")
     classes = _classes(root / "train")
-    # Decoding tens of thousands of images takes a while: decode once, keep the uint8 tensors in a cache.
-    stamp = f"{root.resolve()}|{(root / 'train').stat().st_mtime_ns}|{(root / 'test').stat().st_mtime_ns}"
+    train, test = scan_folder(root, "train", classes), scan_folder(root, "test", classes)
+    # Decoding tens of thousands of images takes a while: decode once, keep the uint8 tensors in a cache keyed by
+    # the manifest of every file (path, size, mtime), so an added, removed or replaced image decodes afresh.
+    manifest = json.dumps([str(root.resolve()), IMAGE_SIZE, classes, [dataclasses.astuple(f) for f in train],
+                           [dataclasses.astuple(f) for f in test]])
     cache_dir = Path(os.environ.get("HETERO_CACHE", Path.home() / ".cache" / "hetero"))
-    cache = cache_dir / f"imagefolder-{hashlib.sha1(stamp.encode()).hexdigest()[:16]}.pt"
+    cache = cache_dir / f"imagefolder-{hashlib.sha256(manifest.encode()).hexdigest()[:24]}.pt"
     with _locked(cache_dir / ".hetero.lock"):
-        d = None
-        if cache.exists():
-            try:  # tensors only: a planted cache file cannot run code; a damaged one is decoded again
-                d = torch.load(cache, weights_only=True)
-            except Exception:  # noqa: BLE001 - unpickling errors vary
-                d = None
+        d = _cached(cache, train, test)
         if d is None:
             d = {}
-            d["train_x"], d["train_y"] = _decode_folder(root / "train", classes)
-            d["test_x"], d["test_y"] = _decode_folder(root / "test", classes)
-            tmp = cache.with_suffix(".tmp")
-            torch.save(d, tmp)
-            os.replace(tmp, cache)
+            d["train_x"], d["train_y"] = _decode_folder(root, train)
+            d["test_x"], d["test_y"] = _decode_folder(root, test)
+            try:
+                safeio.atomic_write(cache, lambda fh: torch.save(d, fh))
+            except OSError as e:  # the set is decoded: a cache that cannot be kept only costs the next start
+                print(f"hetero: warning: cannot keep the image cache {cache}: "
+                      f"{'disk full' if safeio.is_disk_full(e) else e.strerror or e}", file=sys.stderr)
     return d["train_x"], d["train_y"], d["test_x"], d["test_y"], classes
+
+
+def _cached(cache: Path, train: list[ImageFile], test: list[ImageFile]) -> dict | None:
+    """The cached tensors if they match the manifest (shapes, dtypes, the labels themselves), else None: a
+    damaged or planted cache is decoded again. Tensors only (weights_only): a cache file cannot run code."""
+    try:
+        safeio.regular_file(cache, "cache")
+        d = torch.load(cache, weights_only=True)
+    except Exception:  # noqa: BLE001 - missing, a FIFO, unpickling errors: all mean decode again
+        return None
+    want = {"train": train, "test": test}
+    try:
+        for part, images in want.items():
+            x, y = d[f"{part}_x"], d[f"{part}_y"]
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == torch.uint8
+                    and tuple(x.shape) == (len(images), 3, IMAGE_SIZE, IMAGE_SIZE) and y.dtype == torch.int64
+                    and torch.equal(y, torch.tensor([f.label for f in images], dtype=torch.int64))):
+                return None
+    except (KeyError, TypeError, IndexError):
+        return None
+    return d
 
 
 def _synthetic(n_train: int, n_test: int, n_classes: int = 10) -> tuple:

@@ -22,7 +22,14 @@ import numpy as np
 
 from .seeding import EMULATOR, epoch_seed
 
-_ITEM = re.compile(r"^(\d+):(delay|exp|gamma|slowdown)=([^@]+)(?:@(.+))?$")
+_ITEM = re.compile(r"^(\d+):(delay|exp|gamma|slowdown)=([^@]+)(?:@(.+))?$", re.ASCII)
+# Bounds that keep every effect inside what a run can live through (numpy's int64 step counters, float seconds):
+# a larger number is a typo, refused here rather than overflowing on one rank mid-run. The delays are also bounded
+# by the collective timeout (Config: a peer waiting longer than --timeout-s is declared dead).
+MAX_SECONDS = 1e7          # any one parameter in seconds (about 4 months)
+MAX_SLOWDOWN = 1000.0      # a rank 1000 times slower
+MAX_COUNT = 10**12         # epochs, steps, cycle lengths and ranks in windows
+MAX_RANK = 10**6
 
 
 @dataclass(frozen=True)
@@ -38,23 +45,34 @@ class Effect:
 
 
 def _number(text: str) -> float:
+    if len(text) > 40:
+        raise ValueError(f"{text[:20]!r}... ({len(text)} characters) is not a number of seconds or a factor")
     v = float(text)
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{text!r} must be a finite non-negative number")
+    if v > MAX_SECONDS:
+        raise ValueError(f"{text!r} is too large (at most {MAX_SECONDS:g})")
     return v
 
 
+def _count(text: str, what: str) -> int:
+    """A whole number of a window, bounded before conversion (a 400-digit step would overflow numpy's int64)."""
+    if len(text) > 13 or int(text) > MAX_COUNT:
+        raise ValueError(f"{what} {text[:20]}{'...' if len(text) > 20 else ''} is too large (at most {MAX_COUNT:.0e})")
+    return int(text)
+
+
 def _window(text: str) -> tuple[str, int, int | None]:
-    m = re.fullmatch(r"cycle=(\d+)/(\d+)", text)
+    m = re.fullmatch(r"cycle=(\d+)/(\d+)", text, re.ASCII)
     if m:
-        period, on = int(m[1]), int(m[2])
+        period, on = _count(m[1], "cycle period"), _count(m[2], "cycle ON")
         if not 0 < on <= period:
             raise ValueError(f"window {text!r}: need 0 < ON <= P")
         return ("cycle", period, on)
-    m = re.fullmatch(r"(s?)(\d+)-(\d*)", text)
+    m = re.fullmatch(r"(s?)(\d+)-(\d*)", text, re.ASCII)
     if not m:
-        raise ValueError(f"window {text!r} is not A-B, A-, sA-B, sA- or cycle=P/ON")
-    a, b = int(m[2]), (int(m[3]) if m[3] else None)
+        raise ValueError(f"window {text[:40]!r} is not A-B, A-, sA-B, sA- or cycle=P/ON")
+    a, b = _count(m[2], "window start"), (_count(m[3], "window end") if m[3] else None)
     if b is not None and b < a:
         raise ValueError(f"window {text!r} ends before it starts")
     if not m[1] and a < 1:
@@ -68,7 +86,10 @@ def parse_hetero(spec: str) -> dict[int, list[Effect]]:
     for item in filter(None, (s.strip() for s in spec.replace(";", ",").split(","))):
         m = _ITEM.match(item)
         if not m:
-            raise ValueError(f"{item!r} is not RANK:EFFECT=VALUE[@WINDOW] with EFFECT delay, exp, gamma or slowdown")
+            raise ValueError(f"{item[:60]!r} is not RANK:EFFECT=VALUE[@WINDOW] with EFFECT delay, exp, gamma or "
+                             f"slowdown")
+        if len(m[1]) > 7 or int(m[1]) > MAX_RANK:
+            raise ValueError(f"rank {m[1][:20]} is too large (at most {MAX_RANK})")
         rank, kind, value, window = int(m[1]), m[2], m[3], m[4]
         parts = value.split("/")
         if len(parts) != (2 if kind == "gamma" else 1):
@@ -76,6 +97,8 @@ def parse_hetero(spec: str) -> dict[int, list[Effect]]:
         params = tuple(_number(p) for p in parts)
         if kind == "slowdown" and params[0] < 1:
             raise ValueError(f"{item!r}: a slowdown factor is at least 1")
+        if kind == "slowdown" and params[0] > MAX_SLOWDOWN:
+            raise ValueError(f"{item!r}: a slowdown factor is at most {MAX_SLOWDOWN:g}")
         if kind == "gamma" and params[0] <= 0:
             raise ValueError(f"{item!r}: the gamma shape must be positive")
         out.setdefault(rank, []).append(Effect(kind, params, _window(window) if window else None))
@@ -85,6 +108,16 @@ def parse_hetero(spec: str) -> dict[int, list[Effect]]:
 # What each effect adds to a step, in one place: (factor on the step's compute, mean delay in seconds).
 _MEAN = {"delay": lambda p: (0.0, p[0]), "exp": lambda p: (0.0, p[0]), "gamma": lambda p: (0.0, p[0] * p[1]),
          "slowdown": lambda p: (p[0] - 1.0, 0.0)}
+
+
+def longest_delay_s(spec: dict[int, list[Effect]]) -> tuple[int, float]:
+    """(rank, seconds): the largest mean delay per step any rank's effects add up to (slowdowns aside: they scale
+    the rank's own compute), for the bound by the collective timeout."""
+    worst = (0, 0.0)
+    for rank, effects in spec.items():
+        total = sum(_MEAN[e.kind](e.params)[1] for e in effects)
+        worst = max(worst, (rank, total), key=lambda w: w[1])
+    return worst
 
 
 def active(effects: list[Effect], epoch: int, steps: np.ndarray) -> np.ndarray:

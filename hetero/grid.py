@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import re
 import sys
 import time
@@ -23,11 +22,12 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import safeio
 from .cli import CliParser
 from .config import Config
-from .gridplan import (COLUMNS, GRID_KEYS, MANAGED, PARAMETERS, Grid, GridError, Run, plan_grid,  # noqa: F401
-                       plan_grid_from, read_parameters, slug)
-from .launch import from_root, run_logged, torchrun_cmd
+from .gridplan import (COLUMNS, GRID_FILES, GRID_KEYS, MANAGED, PARAMETERS, Grid, GridError, Run,  # noqa: F401
+                       no_links, plan_grid, plan_grid_from, read_parameters, runs_root, slug)
+from .launch import from_root, run_logged, torchrun_cmd  # noqa: F401 - from_root: part of this API
 from .runlog import status as run_status
 
 def state(run_dir: Path) -> str:
@@ -97,8 +97,9 @@ def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:
     """Launch every run not yet completed, one after another; returns (and keeps writing) grid.csv."""
     from tqdm import tqdm
 
+    no_links(grid.root, GRID_FILES)
     (grid.root / "logs").mkdir(parents=True, exist_ok=True)
-    (grid.root / "grid.json").write_text(json.dumps(grid.params, indent=2, default=str) + "\n")
+    safeio.write_text(grid.root / "grid.json", json.dumps(grid.params, indent=2, default=str) + "\n")
     rows = [{"run": r.name, "model": r.config.model, "scheme": r.config.scheme, "hetero": r.config.hetero,
              "seed": r.config.seed, "status": "pending", "error": "", "returncode": None, "wall_s": None,
              "launched": False, "run_dir": str(r.run_dir), "log": ""}
@@ -143,9 +144,8 @@ def run_grid(grid: Grid, progress: bool = True) -> pd.DataFrame:
 
 
 def _write_table(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # two grids at once each write their own
-    pd.DataFrame(rows, columns=COLUMNS).to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    # a fresh temporary name per write: two grids at once each write their own, and a planted link is replaced
+    safeio.write_text(path, pd.DataFrame(rows, columns=COLUMNS).to_csv(index=False))
 
 
 def failures(table: pd.DataFrame) -> pd.DataFrame:
@@ -165,11 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     try:
         params = read_parameters(ns.files, ns.yamls, ns.pairs)
-        params["runs_root"] = from_root(params.get("runs_root", "runs"))
+        params["runs_root"] = runs_root(params.get("runs_root", "runs"))
         g = plan_grid(**{"grid": "grid", **params})
+        no_links(g.root, GRID_FILES)
     except GridError as e:
-        for line in str(e).splitlines():
-            print(f"hetero: error: {line}", file=sys.stderr)
+        lines = str(e).splitlines()
+        for line in lines[:50]:  # every line a problem, each shortened: never a screenful of one value
+            print(f"hetero: error: {line[:500]}", file=sys.stderr)
+        if len(lines) > 50:
+            print(f"hetero: error: ... and {len(lines) - 50} more problems", file=sys.stderr)
         return 2
     print(f"grid {g.name}: {len(g.runs)} runs of {g.nproc} ranks in {g.root}")
     return 0

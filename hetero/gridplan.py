@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from .config import Config, ConfigError, type_problem
+from . import safeio
+from .config import Config, ConfigError, shown, type_problem
 from .launch import from_root
 
 GRID_KEYS = ("grid", "nproc", "runs_root", "run_timeout_s")  # grid-level parameters; the rest are Config fields
@@ -20,6 +21,13 @@ _TYPES = {f.name: {"int": int, "float": float, "str": str, "bool": bool}.get(str
 PARAMETERS = GRID_KEYS + CONFIG_KEYS
 MANAGED = ("run_dir", "resume", "overwrite")  # the grid decides these per run
 _IGNORED_IN_COMPARISON = set(MANAGED) | {"data_dir"}
+# A parameter file's aliases may not expand past this many values (a 600-byte "billion laughs" expands to 10**9);
+# the largest real grid is a few hundred runs of a few dozen fields.
+MAX_VALUES = 100_000
+# What the grid writes in its folder besides the run folders, and the report in its own (papermill, nbconvert):
+# none may be a symbolic link (the grid's own writers replace links; papermill's and nbconvert's would follow them).
+GRID_FILES = ("grid.json", "grid.csv", "grid.ipynb", "logs")
+REPORT_FILES = ("report.ipynb", "report.html", "summary.csv")
 COLUMNS = ["run", "model", "scheme", "hetero", "seed", "status", "error", "returncode", "wall_s", "launched",
            "run_dir", "log"]
 
@@ -74,8 +82,14 @@ def plan_grid(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_tim
     managed = sorted(set(config) & set(MANAGED))
     problems = [_unknown(k) for k in unknown]
     problems += [f"parameter {k!r} is set by the grid per run; leave it out" for k in managed]
-    if not isinstance(grid, str) or not grid or slug(grid) != grid:
-        problems.append(f"grid name {grid!r} must be a non-empty folder name of letters, digits, '.', '_', '-'")
+    if not isinstance(grid, str) or not grid or slug(grid) != grid or grid in (".", "..") or len(grid) > 100:
+        problems.append(f"grid name {shown(grid)} must be a plain folder name (not . or .., at most 100 characters) "
+                        f"of letters, digits, '.', '_', '-'")
+    if not isinstance(runs_root, (str, Path)) or safeio.path_problem(str(runs_root)):
+        problems.append(f"runs_root must be a folder path (got {shown(runs_root)})")
+    empty = [k for k, v in config.items() if isinstance(v, (list, tuple)) and not v or k == "hetero" and
+             isinstance(v, dict) and (not v or any(isinstance(x, (list, tuple)) and not x for x in v.values()))]
+    problems += [f"parameter {k!r} is an empty list: a grid axis needs at least one value" for k in empty]
     if not (isinstance(nproc, int) and not isinstance(nproc, bool) and nproc >= 1):
         problems.append(f"nproc must be a positive whole number (got {nproc!r})")
     if not (isinstance(run_timeout_s, (int, float)) and not isinstance(run_timeout_s, bool) and run_timeout_s > 0):
@@ -103,6 +117,9 @@ def plan_grid(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_tim
             swept = dict(zip(extra_axes, extra))
             name = f"{model}-{scheme}-{slug(str(spec))}-s{seed}" + "".join(
                 f"-{k}{slug(str(v))}" for k, v in swept.items() if len(extra_axes[k]) > 1)
+            if problem := safeio.path_problem(str(root / name)):
+                problems.append(f"{shown(name, 80)[1:-1]}: its run folder {problem}: shorten its hetero spec")
+                continue
             if name in seen:
                 problems.append(f"{name}: two runs would share this folder (hetero specs {seen[name]!r} and "
                                 f"{spec!r})")
@@ -133,8 +150,8 @@ def plan_grid(grid: str, nproc: int = 2, runs_root: str | Path = "runs", run_tim
 
 
 def _unknown(name: str) -> str:
-    near = difflib.get_close_matches(name, PARAMETERS, n=1)
-    return (f"unknown parameter {name!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+    near = difflib.get_close_matches(str(name)[:100], PARAMETERS, n=1)
+    return (f"unknown parameter {shown(name)}" + (f" (did you mean {near[0]!r}?)" if near else "")
             + f": not a Config field nor one of {', '.join(GRID_KEYS)}")
 
 
@@ -156,7 +173,13 @@ def _conflict(run_dir: Path, cfg: Config) -> list[str]:
     path = run_dir / "config.json"
     if not path.exists() or path.stat().st_size == 0:
         return []
-    saved = json.loads(path.read_text()).get("config", {})
+    try:  # safeio: a FIFO there is refused without being opened (the check would block on it)
+        saved = json.loads(safeio.read_bytes(path, "config file")).get("config", {})
+        if not isinstance(saved, dict):
+            raise ValueError("no config record")
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"{run_dir} holds an unreadable config.json ({type(e).__name__}): delete the folder or choose another "
+                f"grid name"]
     planned = cfg.to_dict()
     defaults = {f.name: f.default for f in fields(Config)}  # a field added since the run holds its default
     diff = [f"{k} {saved.get(k, defaults[k])!r} != {planned[k]!r}" for k in planned
@@ -178,8 +201,62 @@ def plan_grid_from(namespace: dict[str, Any]) -> Grid:
             and difflib.get_close_matches(k, PARAMETERS, 1, cutoff=0.75)]
     if near:
         raise GridError("\n".join(near))
-    params["runs_root"] = from_root(params.get("runs_root", "runs"))
+    params["runs_root"] = runs_root(params.get("runs_root", "runs"))
     return plan_grid(**params)
+
+
+def runs_root(value: Any) -> Path:
+    """A grid's runs_root as a path from the checkout's root (GridError for a value that is no path: `5`)."""
+    if not isinstance(value, (str, Path)) or safeio.path_problem(str(value)):
+        raise GridError(f"runs_root must be a folder path (got {shown(value)})")
+    return from_root(value)
+
+
+def no_links(folder: Path, names: tuple[str, ...]) -> None:
+    """GridError when any of folder/NAME is a symbolic link: papermill and nbconvert write through links."""
+    links = [folder / n for n in names if (folder / n).is_symlink()]
+    if links:
+        raise GridError(f"{links[0]} is a symbolic link: hetero does not write through links it did not create "
+                        f"(remove it)")
+
+
+def _loader():
+    """papermill's YAML loader (no dates), refusing duplicate keys (YAML keeps the last one silently)."""
+    import yaml
+    from papermill.iorw import NoDatesSafeLoader
+
+    class StrictLoader(NoDatesSafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen = set()
+                for key_node, _ in node.value:
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        duplicate = key in seen
+                    except TypeError:  # an unhashable key: the base class says so
+                        continue
+                    if duplicate:
+                        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {shown(key, 40)}",
+                                                                key_node.start_mark)
+                    seen.add(key)
+            return super().construct_mapping(node, deep)
+    return StrictLoader
+
+
+def _too_big(value: Any, budget: int = MAX_VALUES) -> bool:
+    """Whether `value` holds more than `budget` values once its aliases are expanded (walked without a memo, as
+    printing or iterating would; stops at the budget)."""
+    left, stack = budget, [value]
+    while stack:
+        v = stack.pop()
+        left -= 1
+        if left < 0:
+            return True
+        if isinstance(v, dict):
+            stack += [*v.keys(), *v.values()]
+        elif isinstance(v, (list, tuple)):
+            stack += v
+    return False
 
 
 def read_parameters(files: list[str], yamls: list[str], pairs: list[tuple[str, str]]) -> dict[str, Any]:
@@ -187,16 +264,22 @@ def read_parameters(files: list[str], yamls: list[str], pairs: list[tuple[str, s
     checks exactly what the notebook will get)."""
     import yaml
     from papermill.cli import _resolve_type
-    from papermill.iorw import NoDatesSafeLoader
 
     params: dict[str, Any] = {}
     for source, text in [*[(f, None) for f in files], *[("-y", y) for y in yamls]]:
         try:
-            loaded = yaml.load(Path(source).read_text() if text is None else text, Loader=NoDatesSafeLoader)
+            if text is None:
+                text = safeio.read_bytes(Path(source), "parameter file").decode()
+            loaded = yaml.load(text, Loader=_loader())
+        except UnicodeDecodeError as e:
+            raise GridError(f"{source}: not UTF-8 text (byte {e.object[e.start]:#04x} at position {e.start})") \
+                from None
         except OSError as e:
             raise GridError(f"cannot read the parameter file {source} ({e.strerror})") from None
         except yaml.YAMLError as e:
-            raise GridError(f"{source}: not YAML ({' '.join(str(e).split())})") from None
+            raise GridError(f"{source}: not YAML ({' '.join(str(e)[:2000].split())[:300]})") from None
+        if _too_big(loaded):
+            raise GridError(f"{source}: its aliases expand past {MAX_VALUES} values (a YAML alias bomb?)")
         if loaded is not None and not isinstance(loaded, dict):
             raise GridError(f"{source}: expected name: value lines, got a {type(loaded).__name__}")
         params.update(loaded or {})

@@ -14,6 +14,7 @@ import subprocess
 from datetime import datetime
 from pathlib import Path
 
+from . import safeio
 from .launch import ROOT, clean_env, run_logged
 
 
@@ -26,7 +27,7 @@ def launch(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | No
     """Run cmd with its command line and output in `log`; raises LaunchError. A launch that exits non-zero after
     writing `done` (a JSON file without status, or with status "completed") is kept, with a line in `notes`."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as fh:
+    with os.fdopen(safeio.open_nofollow(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as fh:  # no planted link
         fh.write(" ".join(cmd) + "\n")
         fh.flush()
         rc = run_logged(cmd, fh, max(timeout_s, 1), env or clean_env())

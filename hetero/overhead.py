@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import safeio
 from .cli import CliParser
 from .launch import clean_env, torchrun_cmd
 from .measure import launch
@@ -121,8 +122,8 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
             epoch_s["api"].append(api_s)
             epoch_s["ddp_loader"].append(ddp_s)
         if world.is_main:
-            out.write_text(json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.size,
-                                        "api_sizes": [d.sizes for d in bal.decisions]}))
+            safeio.write_text(out, json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.size,
+                                               "api_sizes": [d.sizes for d in bal.decisions]}))
         ok = True
     finally:
         teardown(ok)

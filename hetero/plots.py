@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from . import safeio
 from .analysis import Frames, time_breakdown
 from .emulator import parse_hetero
 from .partition import SCHEMES
@@ -190,8 +191,8 @@ def save(fig: plt.Figure, out_dir: str | Path, name: str) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{name}.png", out / f"{name}.svg"]
-    for p in paths:
-        fig.savefig(p, dpi=150, bbox_inches="tight")
+    for p in paths:  # through safeio: a link planted at a figure is replaced, its target untouched
+        safeio.atomic_write(p, lambda fh: fig.savefig(fh, format=p.suffix[1:], dpi=150, bbox_inches="tight"))
     return paths
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from . import safeio
 from .config import Config, ConfigError
 
 # Flags that may differ from the recorded run on --resume: how long, where and how fast it runs, not what it
@@ -25,7 +26,7 @@ def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
     if not path.is_file():
         raise ConfigError(f"{where}: it holds no config.json")
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(safeio.read_bytes(path, "its config.json"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{where}: its config.json is unreadable or truncated ({e})") from None
     saved = meta.get("config") if isinstance(meta, dict) else None
@@ -62,7 +63,7 @@ def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
 def _epochs_done(folder: Path) -> int:
     """Epochs completed per summary.json (written after each checkpoint, so never ahead of it); 0 if unknown."""
     try:
-        done = json.loads((folder / "summary.json").read_text()).get("epochs_completed", 0)
+        done = json.loads(safeio.read_bytes(folder / "summary.json")).get("epochs_completed", 0)
     except (OSError, ValueError, AttributeError):
         return 0
     return done if isinstance(done, int) else 0

@@ -2,7 +2,8 @@
 
 Tidy files (one observation per row, one schema per file) so pandas.read_csv feeds seaborn directly. Rows are
 flushed every epoch; the checkpoint and summary are replaced atomically (write a temporary file, fsync, rename)
-so a crash at any instant leaves the previous complete version.
+so a crash at any instant leaves the previous complete version. Every write goes through safeio: a symbolic link
+planted at any of these files is never followed.
 
 One job at a time owns a folder: its rank 0 holds an exclusive `flock` on `.lock` for the job's life (the kernel
 drops it when the process dies, even by SIGKILL), and only the holder writes into the folder. Checkpoints hold
@@ -12,12 +13,12 @@ code.
 from __future__ import annotations
 
 import csv
-import errno
 import fcntl
 import json
 import os
 import pickle
 import socket
+import stat
 import time
 import zipfile
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 
+from . import safeio
 from .config import ConfigError
 
 TABLES = ("epochs", "ranks", "steps")
@@ -67,7 +69,10 @@ def _holder(path: Path) -> str:
 def acquire_lock(path: Path, tries: int = 10) -> RunLock:
     """Take the folder's lock or raise ConfigError naming its holder. A few quick retries ride out a reader's
     momentary shared probe (is_busy); a live job holds it for good."""
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = safeio.open_nofollow(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)  # NONBLOCK: a FIFO there
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"run folder {path}: its {LOCK} is not a regular file (remove it)")
     for i in range(tries):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -85,7 +90,7 @@ def acquire_lock(path: Path, tries: int = 10) -> RunLock:
 def is_busy(path: Path) -> bool:
     """Whether a live job holds the folder's lock (a shared, non-blocking probe; never blocks the holder)."""
     try:
-        fd = os.open(Path(path) / LOCK, os.O_RDONLY | os.O_CLOEXEC)
+        fd = safeio.open_nofollow(Path(path) / LOCK, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return False
     try:
@@ -105,7 +110,7 @@ def status(path: Path) -> str:
     if is_busy(path):
         return "running"
     try:
-        st = json.loads((path / "summary.json").read_text()).get("status", "started")
+        st = json.loads(safeio.read_bytes(path / "summary.json")).get("status", "started")
     except FileNotFoundError:
         st = "started" if (path / "config.json").exists() else "new"
     except (OSError, ValueError):
@@ -119,17 +124,28 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
     files a killed job left behind."""
     if resume and not (path / CHECKPOINT).exists():
         raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
+    if resume:
+        try:
+            safeio.regular_file(path / CHECKPOINT, "cannot resume: the checkpoint")
+        except OSError as e:
+            raise ConfigError(e.strerror) from None
     try:  # really try: permission bits say little to root, and read-only file systems say nothing
         created = tuple(p for p in (path, *path.parents) if not p.exists())
         path.mkdir(parents=True, exist_ok=True)
         lock = acquire_lock(path)
         lock.created = created
+    except safeio.UnsafeFile as e:
+        raise ConfigError(f"run folder {path}: {e.strerror}") from None
     except OSError as e:
         raise ConfigError(f"run folder {path} is not writable ({e.strerror or e})") from None
     try:
         if (path / "config.json").exists() and not (resume or overwrite):
             raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
                               f"--overwrite to replace it, or choose another --run-dir")
+        # the tables are appended in place (O_NOFOLLOW would refuse a link there only after the first epoch)
+        if links := [n for n in (f"{t}.csv" for t in TABLES) if (path / n).is_symlink()]:
+            raise ConfigError(f"run folder {path}: {links[0]} is a symbolic link: hetero does not write through links "
+                              f"it did not create (remove it)")
         for tmp in [*path.glob(".*.tmp"), *path.glob(".write-test-*")]:
             tmp.unlink(missing_ok=True)
     except BaseException:
@@ -140,7 +156,9 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
 
 def disk_error(e: OSError, path: Path) -> str:
     """One line for a failed write: disk full (ENOSPC, EDQUOT) said plainly."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(e, safeio.UnsafeFile):  # its text names the file
+        return f"cannot write: {e.strerror}"
+    if safeio.is_disk_full(e):
         return f"disk full writing {path} ({e.strerror}): the previous checkpoint is kept; free space and --resume"
     return f"cannot write {path} ({e.strerror or e})"
 
@@ -150,18 +168,10 @@ class DiskError(RuntimeError):
 
 
 def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)  # never leave a half-written file filling the disk
-        if isinstance(e, OSError):
-            raise DiskError(disk_error(e, path)) from None
-        raise
+        safeio.atomic_write(path, write)
+    except OSError as e:
+        raise DiskError(disk_error(e, path)) from None
 
 
 class RunFolder:
@@ -190,8 +200,7 @@ class RunFolder:
     def _truncate(path: Path, last_epoch: int) -> None:
         if not path.exists():
             return
-        with open(path, newline="") as fh:
-            rows = list(csv.reader(fh))
+        rows = list(csv.reader(safeio.read_bytes(path).decode(errors="replace").splitlines()))
         if not rows:
             return
         col = rows[0].index("epoch")
@@ -206,9 +215,9 @@ class RunFolder:
         if not rows:
             return
         path = self.path / f"{table}.csv"
-        size = path.stat().st_size if path.exists() else 0
+        size = path.lstat().st_size if path.exists() else 0
         try:
-            with open(path, "a", newline="") as fh:
+            with safeio.append_open(path) as fh:
                 w = csv.DictWriter(fh, fieldnames=list(rows[0]), lineterminator="\n")
                 if size == 0:
                     w.writeheader()
@@ -216,17 +225,20 @@ class RunFolder:
                 fh.flush()
                 os.fsync(fh.fileno())
         except OSError as e:
-            try:
-                os.truncate(path, size)
-            except OSError:
-                pass
+            if not isinstance(e, safeio.UnsafeFile):
+                try:
+                    fd = safeio.open_nofollow(path, os.O_WRONLY)
+                    os.ftruncate(fd, size)
+                    os.close(fd)
+                except OSError:
+                    pass
             raise DiskError(disk_error(e, path)) from None
 
     def write_json(self, name: str, obj: dict[str, Any]) -> None:
         _atomic_write(self.path / name, lambda fh: fh.write((json.dumps(obj, indent=2, default=str) + "\n").encode()))
 
     def read_json(self, name: str) -> dict[str, Any]:
-        return json.loads((self.path / name).read_text())
+        return json.loads(safeio.read_bytes(self.path / name))
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         """state: tensors, lists, dicts, strings and numbers only (what weights_only=True loads)."""
@@ -235,6 +247,10 @@ class RunFolder:
     def load_checkpoint(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:
         """The checkpoint, loaded with weights_only=True (no code runs); ConfigError in one line."""
         path = self.path / CHECKPOINT
+        try:
+            safeio.regular_file(path, "cannot resume: the checkpoint")  # a FIFO would block torch.load for ever
+        except safeio.UnsafeFile as e:
+            raise ConfigError(e.strerror) from None
         try:
             state = torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as e:  # weights_only refuses anything but plain data: say what, not how

@@ -79,8 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--noise", type=float, default=0.0, help="relative std of each rank's compute time per step")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)
-    if ns.epochs < 2 or ns.steps_per_epoch < 1 or ns.noise < 0:
-        p.error("need --epochs >= 2, --steps-per-epoch >= 1 and --noise >= 0")
+    if not (2 <= ns.epochs <= 10**6 and 1 <= ns.steps_per_epoch <= 10**6 and 0 <= ns.noise <= 10):  # nan fails too
+        p.error("need 2 <= --epochs <= 10**6, 1 <= --steps-per-epoch <= 10**6 and 0 <= --noise <= 10 (a relative "
+                "standard deviation)")
     df = benchmark(epochs=ns.epochs, steps_per_epoch=ns.steps_per_epoch, noise=ns.noise, seed=ns.seed)
     ep = lambda v: f">{ns.epochs}" if v is None or pd.isna(v) else str(int(v))  # noqa: E731
     print(f"Simulated {ns.epochs} epochs of {ns.steps_per_epoch} steps, noise {ns.noise:g}; step times relative "

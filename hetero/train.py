@@ -27,13 +27,15 @@ import torch
 import torch.distributed as dist
 
 from .cli import parse_args
-from .config import Config, ConfigError, default_run_dir
+from . import safeio
+from .config import Config, ConfigError, check_launch, default_run_dir, shown
 from .data import DataError, load_data
 from .dist import World, apply_cpu_budget, env_world, setup, teardown
 from .measure import provenance
 from .resume import resumed_config
-from .runlog import DiskError, RunFolder, claim_run_dir
-from .trainer import Trainer, TrainingError, evaluate, limits_text  # noqa: F401 - evaluate: part of this API
+from .runlog import CHECKPOINT, DiskError, RunFolder, claim_run_dir
+from .trainer import (Trainer, TrainingError, check_checkpoint, evaluate,  # noqa: F401 - evaluate: part of this API
+                      limits_text)
 
 
 def run_metadata(cfg: Config, world: World, run_dir: Path) -> dict:
@@ -47,23 +49,67 @@ def run_metadata(cfg: Config, world: World, run_dir: Path) -> dict:
                                                    "LOCAL_WORLD_SIZE") if k in os.environ}}
 
 
+REPLAY_COLUMNS = ("epoch", "step", "rank", "batch_size")
+
+
 def load_replay(run: Path, cfg: Config, world: int) -> dict[int, np.ndarray]:
-    """Recorded batch sizes {epoch: [steps, world]} of an earlier run, to train with the same partition."""
+    """Recorded batch sizes {epoch: [steps, world]} of an earlier run, to train with the same partition; a file
+    that is not a complete record (empty, a column missing, text or negative sizes, duplicate or missing rows) is
+    one ConfigError."""
+    import io
+
     import pandas as pd
 
-    path = run / "steps.csv"
+    path, where = run / "steps.csv", f"cannot replay {run}"
     if not path.exists():
-        raise ConfigError(f"cannot replay {run}: it has no steps.csv")
-    df = pd.read_csv(path)
-    if df["rank"].nunique() != world:
-        raise ConfigError(f"cannot replay {run}: it ran {df['rank'].nunique()} ranks, this run has {world}")
+        raise ConfigError(f"{where}: it has no steps.csv")
+    try:
+        df = pd.read_csv(io.BytesIO(safeio.read_bytes(path, "its steps file")))
+    except safeio.UnsafeFile as e:
+        raise ConfigError(f"{where}: {e.strerror}") from None
+    except (OSError, ValueError, pd.errors.ParserError) as e:  # EmptyDataError, UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{where}: its steps.csv is unreadable ({type(e).__name__}: "
+                          f"{shown(str(e).splitlines()[0] if str(e) else '', 80)})") from None
+    if missing := [c for c in REPLAY_COLUMNS if c not in df.columns]:
+        raise ConfigError(f"{where}: its steps.csv has no column {', '.join(missing)} (is it a hetero steps.csv?)")
+    if df.empty:
+        raise ConfigError(f"{where}: its steps.csv has no rows")
+    for c in REPLAY_COLUMNS:
+        if not pd.api.types.is_integer_dtype(df[c]) or (df[c] < 0).any():
+            bad = df[c][pd.to_numeric(df[c], errors="coerce").isna() | (pd.to_numeric(df[c], errors="coerce") < 0)]
+            raise ConfigError(f"{where}: its steps.csv column {c} holds {shown(bad.tolist()[0]) if len(bad) else 'a '}"
+                              f"{'' if len(bad) else 'fraction'}, not a whole number >= 0")
+    if (dup := df.duplicated(["epoch", "step", "rank"], keep=False)).any():
+        e, st, r = df.loc[dup, ["epoch", "step", "rank"]].iloc[0]
+        raise ConfigError(f"{where}: its steps.csv lists epoch {e} step {st} rank {r} twice")
+    if sorted(df["rank"].unique()) != list(range(world)):
+        raise ConfigError(f"{where}: it ran {df['rank'].nunique()} ranks, this run has {world}")
     out = {}
     for epoch, g in df.groupby("epoch"):
-        sizes = g.pivot(index="step", columns="rank", values="batch_size").to_numpy(np.int64)
+        table = g.pivot(index="step", columns="rank", values="batch_size")
+        if list(table.index) != list(range(len(table))) or table.isna().any().any():
+            raise ConfigError(f"{where}: its steps.csv has gaps in epoch {epoch} (every step 0.. needs all {world} "
+                              f"ranks)")
+        sizes = table.to_numpy(np.int64)
         if not np.all(sizes.sum(1) == cfg.global_batch):
-            raise ConfigError(f"cannot replay {run}: its global batch is not {cfg.global_batch}")
+            raise ConfigError(f"{where}: its global batch is not {cfg.global_batch}")
         out[int(epoch)] = sizes
     return out
+
+
+def die_with_launcher() -> None:
+    """Linux: ask the kernel to SIGKILL this worker when its launcher (the parent) dies. A stopped (SIGSTOP) worker
+    cannot run the watchdog thread (exit_with_launcher), but SIGKILL ends it anyway, and its run folder's lock goes
+    with it. Elsewhere, or where prctl is missing, the watchdog alone."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
 
 
 def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
@@ -74,6 +120,7 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     parent. os._exit skips every handler: the folder's lock goes with the process, a temporary file it was writing
     is removed at the next start."""
     parent = os.getppid()
+    die_with_launcher()
 
     def watch() -> None:
         while True:
@@ -114,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         else (lambda m: None)
     lock = None  # rank 0's hold on the run folder (runlog.claim_run_dir), kept until this process ends
     try:
+        check_launch(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                     os.environ.get("RDZV_ENDPOINT"))
         cfg, ns = parse_args(argv)
         if cfg.resume:  # continue with the recorded configuration
             cfg = resumed_config(cfg, ns.given, world_size)
@@ -129,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
         if cfg.global_batch > len(data.train_y):
             raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")
+        if saved_state is not None:
+            check_checkpoint(cfg, world_size, len(data.classes), saved_state, Path(cfg.run_dir) / CHECKPOINT)
         replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
         steps = len(data.train_y) // cfg.global_batch
         missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]

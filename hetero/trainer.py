@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .api import Balance
-from .config import Config
+from .config import Config, ConfigError, shown
 from .data import DataSet, DeviceLoader
 from .dist import World, average_buffers, gather_rows, sum_all, wrap_ddp
 from .memory import probe_max_batch, shared_gpus
@@ -91,6 +91,61 @@ def limits_text(limits: list[float] | None, world: int) -> str:
     return ",".join("-" if v == float("inf") else str(int(v)) for v in (limits or [float("inf")] * world))
 
 
+def check_checkpoint(cfg: Config, world_size: int, n_classes: int, state: dict, path: Path) -> None:
+    """Trainer.load_state_dict tried on CPU stand-ins (model, optimiser, schedule, Balance) before any process group:
+    a checkpoint of plain data but the wrong content (tensor shapes, model={}, history="abc", a bad RNG or balancer
+    state, epoch=True or 10**18) is one ConfigError here, not a traceback on every rank after the group starts."""
+    where = f"cannot resume: {path} does not fit this run"
+    epoch, step = state.get("epoch"), state.get("global_step")
+    if not (type(epoch) is int and 1 <= epoch <= cfg.epochs):
+        raise ConfigError(f"{where}: its epoch {shown(epoch)} is not a whole number in 1..{cfg.epochs} (--epochs)")
+    if not (type(step) is int and 0 <= step <= 2**62):
+        raise ConfigError(f"{where}: its global_step {shown(step)} is not a whole number >= 0")
+    t = state.get("train_time_s")
+    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t) and t >= 0):
+        raise ConfigError(f"{where}: its train_time_s {shown(t)} is not a number of seconds")
+    if not (isinstance(state["history"], list) and len(state["history"]) == epoch):
+        raise ConfigError(f"{where}: its history is not a list of its {epoch} epochs (got {shown(state['history'])})")
+    torch_rng, numpy_rng = torch.get_rng_state(), np.random.get_state()  # the stand-ins' init draws from them
+    try:
+        stand_in = _StandIn(cfg, world_size, n_classes)
+        Trainer.load_state_dict(stand_in, state)  # the very reads the run will do
+        for p, st in stand_in.opt.state.items():  # SGD checks these only at its first step
+            buf = st.get("momentum_buffer")
+            if buf is not None and (not isinstance(buf, torch.Tensor) or buf.shape != p.shape):
+                raise ValueError(f"a momentum buffer of shape {tuple(getattr(buf, 'shape', ()))} for a parameter of "
+                                 f"shape {tuple(p.shape)}")
+        b = stand_in.balance.balancer
+        if b.shares.shape != (world_size,) or b.sizes.shape != (world_size,) or not np.all(np.isfinite(b.shares)) \
+                or int(b.sizes.sum()) != cfg.global_batch or np.any(b.sizes < 0):
+            raise ValueError(f"balancer shares {shown(b.shares.tolist())} and sizes {shown(b.sizes.tolist())} are not "
+                             f"{world_size} ranks' splits of the global batch {cfg.global_batch}")
+        if [r.epoch for r in stand_in.history] != list(range(1, epoch + 1)):
+            raise ValueError("its history does not list epochs 1.." + str(epoch))
+    except Exception as e:  # noqa: BLE001 - load_state_dict raises RuntimeError, KeyError, TypeError, ValueError...
+        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+        raise ConfigError(f"{where} (model {cfg.model}, {world_size} rank(s)): {type(e).__name__}"
+                          f"{': ' + shown(line, 160)[1:-1] if line else ''}") from None
+    finally:
+        torch.set_rng_state(torch_rng)
+        np.random.set_state(numpy_rng)
+
+
+class _StandIn:
+    """What Trainer.load_state_dict touches, built on the CPU without a process group (check_checkpoint)."""
+
+    def __init__(self, cfg: Config, world_size: int, n_classes: int):
+        self.cfg = cfg
+        self.model = build_model(cfg.model, n_classes)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                   nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
+        self.balance = Balance(global_batch=cfg.global_batch, scheme=cfg.scheme, rebalance_every=cfg.rebalance_every,
+                               smoothing=cfg.smoothing, deadband=cfg.deadband, significance=cfg.significance,
+                               min_batch=cfg.min_batch, max_batch=cfg.max_batches(world_size), hetero=cfg.hetero,
+                               seed=cfg.seed, lag=0, sit_out=cfg.sit_out, micro_batch=cfg.micro_batch)
+
+
 def _numpy_rng_plain(state: tuple) -> list:
     """numpy's legacy RNG state as plain lists and numbers, so the checkpoint loads with weights_only=True."""
     name, keys, pos, has_gauss, cached = state
@@ -126,6 +181,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
         self.folder = RunFolder(run_dir) if world.is_main else None
         self.epoch, self.train_time_s = 0, 0.0
+        self.saved_epoch = 0  # the last epoch in the checkpoint: what a summary may claim as completed
         self.history: list[EpochRow] = []
 
     def _probe_limits(self, data: DataSet) -> list[float] | None:
@@ -184,6 +240,7 @@ class Trainer:
             relay_cosine(self.opt, self.sched, s["epoch"], self.cfg.epochs)
         self.balance.load_state_dict({"balancer": s["balancer"], "epoch": s["epoch"], "global_step": s["global_step"]})
         self.epoch, self.train_time_s = s["epoch"], s["train_time_s"]
+        self.saved_epoch = self.epoch
         self.history = [EpochRow(**r) for r in s["history"]]
         torch.set_rng_state(s["rng"]["torch"])
         name, keys, pos, has_gauss, cached = s["rng"]["numpy"]
@@ -264,6 +321,8 @@ class Trainer:
             row = self._record(epoch, r, ev, eval_s, lr)
             if w.is_main:
                 self.folder.save_checkpoint(self.state_dict())
+            self.saved_epoch = epoch  # rank 0 saved it (else it raised, and a failed summary claims the one before)
+            if w.is_main:
                 self.folder.write_json("summary.json", self.summary("running"))
                 print(self._line(row), flush=True)
         return self.summary("completed")
@@ -300,9 +359,10 @@ class Trainer:
                 f"balance {row.balance_eff:.2f}")
 
     def summary(self, status: str, error: str = "") -> dict:
-        h = self.history
+        """The run's summary.json: never more completed epochs (nor their results) than the checkpoint holds."""
+        h = [r for r in self.history if r.epoch <= self.saved_epoch]
         return {"status": status, "error": error, "scheme": self.cfg.scheme, "model": self.cfg.model,
-                "hetero": self.cfg.hetero, "world_size": self.world.size, "epochs_completed": self.epoch,
+                "hetero": self.cfg.hetero, "world_size": self.world.size, "epochs_completed": self.saved_epoch,
                 "epochs": self.cfg.epochs, "train_time_s": self.train_time_s,
                 "final_test_top1": h[-1].test_top1 if h else None,
                 "best_test_top1": max(r.test_top1 for r in h) if h else None,

@@ -57,7 +57,8 @@ def assert_one_line(rc: int, err: list[str], text: str) -> None:
 BAD = [
     (["--epoch", "3"], "unrecognized arguments: --epoch 3"),  # no abbreviations: --epoch is not --epochs
     (["--seed", "1e23"], "invalid int value: '1e23'"),
-    (["--seed", str(10**23)], "--seed must be at most 2**32-1"),
+    (["--seed", str(10**23)], "seed must be a whole number of at most 2**63-1"),  # int64 first (issue 23)
+    (["--seed", str(2**40)], "--seed must be at most 2**32-1"),
     (["--timeout-s", "1e15"], "--timeout-s must be at most 2592000"),
     (["--momentum", "3"], "--momentum must be in [0, 1)"),
     (["--momentum", "1"], "--momentum must be in [0, 1)"),

@@ -124,7 +124,8 @@ def test_disk_full_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, c
     errors = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
     assert len(errors) == 1 and "disk full writing" in errors[0] and "checkpoint.pt" in errors[0], errors
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "failed" and "disk full" in summary["error"] and summary["epochs_completed"] == 2
+    # never more than the checkpoint holds (issue 23: it claimed the epoch whose checkpoint failed)
+    assert summary["status"] == "failed" and "disk full" in summary["error"] and summary["epochs_completed"] == 1
     assert RunFolder(run).load_checkpoint()["epoch"] == 1
     assert not list(run.glob(".*.tmp"))
     assert not [ip for ip in calls[0] if ip not in LOOPBACK], calls[0]

@@ -17,6 +17,7 @@ import numpy as np
 
 from .cli import CliParser
 from .launch import clean_env, torchrun_cmd
+from . import safeio
 from .measure import launch
 
 REBALANCE_EVERY = 10  # as the DDP API pair (overhead.py): the decisions' gathers are part of the cost
@@ -82,8 +83,8 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
 
         times = [epoch_s(epoch) for epoch in range(epochs)]
         if world.is_main:
-            out.write_text(json.dumps({"step_s": times, "steps": len(loops["api"][2]), "world": world.size,
-                                       "api_sizes": [d.sizes for d in bal.decisions]}))
+            safeio.write_text(out, json.dumps({"step_s": times, "steps": len(loops["api"][2]), "world": world.size,
+                                             "api_sizes": [d.sizes for d in bal.decisions]}))
         ok = True
     finally:
         teardown(ok)

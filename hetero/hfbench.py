@@ -16,6 +16,7 @@ import numpy as np
 
 from .cli import CliParser
 from .launch import clean_env, torchrun_cmd
+from . import safeio
 from .measure import launch
 
 REBALANCE_EVERY = 10
@@ -69,7 +70,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
         for kind in (KINDS if run % 2 else KINDS[::-1]):  # back to back, in turn
             step_s[kind].append(one_run(kind, run))
     if dist.get_rank() == 0:
-        out.write_text(json.dumps({"step_s": step_s, "steps": steps, "world": world}))
+        safeio.write_text(out, json.dumps({"step_s": step_s, "steps": steps, "world": world}))
 
 
 def measure(out: Path, runs: int, steps: int, notes: list[str]) -> dict | None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
+from .. import safeio
 from ..api import Balance
 
 STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
@@ -193,4 +195,5 @@ class _BalanceSteps(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         if args.should_save:  # the folder _save_checkpoint just wrote (hyperparameter search runs elsewhere)
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            torch.save(self.trainer.balance.state_dict(), os.path.join(folder, STATE_NAME))
+            state = self.trainer.balance.state_dict()  # written beside the Trainer's files, never through a link
+            safeio.atomic_write(Path(folder) / STATE_NAME, lambda f: torch.save(state, f))

@@ -112,3 +112,19 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
     """A markdown table's lines: the header, the rule, one line per row (cells formatted with str)."""
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def loop_pair_main(module: str, doc: str, worker, argv: list[str] | None = None) -> int:
+    """The command line of an overhead worker (`python -m hetero.overhead`, `hetero.fsdp_overhead`): two loops'
+    epoch times, measured in turn in the same processes, into --out."""
+    from .cli import CliParser
+    p = CliParser(prog=f"python -m {module}", description=doc.split("\n")[0])
+    p.add_argument("--out", required=True, help="JSON file for the epoch times (rank 0 writes it)")
+    p.add_argument("--subset", type=int, required=True, help="synthetic training samples")
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--epochs", type=int, required=True, help="epochs of each loop, taken in turn; the first warms up")
+    ns = p.parse_args(argv)
+    if ns.epochs < 2 or ns.global_batch < 2 or ns.subset < ns.global_batch:
+        p.error("need --epochs >= 2, --global-batch >= 2 and --subset >= --global-batch")
+    worker(Path(ns.out), ns.subset, ns.global_batch, ns.epochs)
+    return 0

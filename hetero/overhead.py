@@ -16,9 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from . import safeio
-from .cli import CliParser
 from .launch import clean_env, torchrun_cmd
-from .measure import launch
+from .measure import launch, loop_pair_main
 
 REBALANCE_EVERY = 10  # the API loop's decision interval: its overhead includes the decisions' gathers
 KINDS = ("trainer", "plain", "api", "ddp_loader")
@@ -160,16 +159,7 @@ def measure(out: Path, repeats: int, subset: int, global_batch: int, epochs: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = CliParser(prog="python -m hetero.overhead", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON file for the epoch times (rank 0 writes it)")
-    p.add_argument("--subset", type=int, required=True, help="synthetic training samples")
-    p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--epochs", type=int, required=True, help="epochs of each loop, taken in turn; the first warms up")
-    ns = p.parse_args(argv)
-    if ns.epochs < 2 or ns.global_batch < 2 or ns.subset < ns.global_batch:
-        p.error("need --epochs >= 2, --global-batch >= 2 and --subset >= --global-batch")
-    worker(Path(ns.out), ns.subset, ns.global_batch, ns.epochs)
-    return 0
+    return loop_pair_main("hetero.overhead", __doc__, worker, argv)
 
 
 if __name__ == "__main__":

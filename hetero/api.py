@@ -97,9 +97,7 @@ class Balance:
         self.rebalance_every = _whole("rebalance_every", rebalance_every, 0)
         self.micro_batch, self.seed = _whole("micro_batch", micro_batch, 0), _whole("seed", seed, 0)
         self.lag = None if lag is None else _whole("lag", lag, 0)
-        if isinstance(min_batch, numbers.Integral) and not isinstance(min_batch, bool) and min_batch < 1:
-            raise ValueError("min_batch must be at least 1 (sit_out lets affine give a rank 0)")
-        self.min_batch = _whole("min_batch", min_batch, 1)
+        self.min_batch = _whole("min_batch", min_batch, 1)  # sit_out, not min_batch 0, lets affine give a rank 0
         if sit_out and SCHEMES[scheme].rule != "affine":
             raise ValueError(f"sit_out applies to the affine scheme only (got scheme {scheme!r})")
         if self.micro_batch and sit_out:
@@ -478,10 +476,10 @@ class Balance:
                 raise HeteroError(why) from None
             raise e
         self._micro_left -= 1
-        if not self.sync_now:
-            self._unsynced = True
         if self.sync_now:
             self.end_step()
+        else:
+            self._unsynced = True  # local gradients only, until the step's last micro-batch all-reduces
 
     def _decide(self, step: int) -> Decision:
         """The one decision path: gather every rank's compute times and sampler position, run the pure balancer."""

@@ -18,6 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .settle import settle
+
 _KEY = "hetero/error/"
 
 
@@ -28,6 +30,7 @@ class HeteroError(RuntimeError):
 def launcher_world() -> tuple[int, int] | None:
     """(rank, world) from an initialised process group, else from torchrun's RANK and WORLD_SIZE; else None."""
     if dist.is_available() and dist.is_initialized():
+        settle.collectives()
         return dist.get_rank(), dist.get_world_size()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

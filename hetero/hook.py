@@ -6,10 +6,7 @@ clock marks `ready` and an emulated slow rank spends its delay.
 """
 from __future__ import annotations
 
-import atexit
-import threading
 import time
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +14,7 @@ import torch.distributed as dist
 
 from .dist import StepClock
 from .emulator import Emulator
+from .settle import settle
 
 if TYPE_CHECKING:
     from .api import Balance
@@ -58,44 +56,8 @@ def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Futur
             if state._in_flight == 0 and state._all_issued:
                 clock.mark("returned")
         return f.value()[0]
-    _callbacks.track(done)
+    settle.track(done)
     return fut.then(done)
-
-
-class _Callbacks:
-    """The hook's Python callbacks that gloo's worker threads still hold.
-
-    A future's callbacks are freed by the thread that completed it, after they ran, and freeing a Python function
-    takes the GIL. After a job's last all-reduce that thread may only get there once the main thread is already
-    shutting the interpreter down, and a thread taking the GIL then is ended mid-C++: the process aborts with
-    "terminate called without an active exception" (exit status 1 after a finished run). So each callback is
-    counted until it is freed, and at exit (atexit runs before the interpreter shuts down) the main thread waits,
-    GIL released, until gloo's threads have freed every one (a few seconds at most)."""
-
-    def __init__(self):
-        self.alive, self._lock = 0, threading.Lock()
-
-    def track(self, fn) -> None:
-        with self._lock:
-            self.alive += 1
-        weakref.finalize(fn, self._freed)
-
-    def _freed(self) -> None:
-        with self._lock:
-            self.alive -= 1
-
-    def drain(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every tracked callback is freed; False when some are still held after timeout_s."""
-        deadline, tracked = time.monotonic() + timeout_s, self.alive > 0
-        while self.alive > 0 and time.monotonic() < deadline:
-            time.sleep(0.005)  # releases the GIL: the worker thread frees the callback
-        if tracked:
-            time.sleep(0.05)  # and leaves the GIL-holding free (the count drops inside it)
-        return self.alive <= 0
-
-
-_callbacks = _Callbacks()
-atexit.register(_callbacks.drain)
 
 
 # DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings

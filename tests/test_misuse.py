@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
+import hetero.settle
 from conftest import Indexed, max_diff, sgd_step
 from hetero.launch import free_port
 
@@ -177,7 +178,7 @@ def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
         result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
         # what the exit waits for: gloo's threads have freed every callback of the hook (none left to free
         # while the interpreter shuts down)
-        result["callbacks_freed"] = hetero.hook._callbacks.drain(timeout_s=10)
+        result["callbacks_freed"] = hetero.settle.settle.wait(timeout_s=10)
     except hetero.HeteroError as e:
         result["error"] = str(e)
     result["stepped"] = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -59,15 +59,15 @@ ARGS := $(foreach v,$(FIELDS),$(if $(value $(v)),$(call flag,$(v)) "$$$(v)"))
 KERNEL := $(VENV)/share/jupyter/kernels/hetero/kernel.json
 # torchrun sets OMP_NUM_THREADS=1 for its workers when unset, and prints a banner saying so; the trainer sizes its
 # thread pool itself (THREADS=), so setting torchrun's default explicitly changes nothing but the noise. (Launches
-# from Python, grids and benchmarks, get the same from hetero.launch.clean_env.)
+# from Python, grids and benchmarks, get the same from hetero.lab.launch.clean_env.)
 OMP_NUM_THREADS ?= 1
 
 .PHONY: help install experiment test test-slow test-all clean-venv
 help:  ## list the targets and the config fields (meaning, choices, default)
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
 	@echo; echo "Variables (any other is refused):"; echo "  $(SETTINGS)"
-	@echo "and the config fields (python -m hetero.train --help):"
-	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m hetero.cli
+	@echo "and the config fields (python -m hetero.trainer --help):"
+	@$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) -m hetero.trainer.cli
 
 install: $(STAMP)  ## create .venv with torch, torchvision, jupyterlab, papermill, ... (once)
 $(STAMP): pyproject.toml
@@ -82,8 +82,8 @@ $(KERNEL): | $(STAMP)  # a venv installed before the kernel moved into it (order
 
 experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment MODEL=vgg16 SCHEME=dp HETERO=1:delay=0.01
 	WORLD_SIZE=$$(( $(NPROC) * $(NNODES) )) RANK=$$(( $(NODE_RANK) * $(NPROC) )) LOCAL_WORLD_SIZE=$(NPROC) \
-		$(BIN)/python -m hetero.train --check $(ARGS)
-	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.train $(ARGS)
+		$(BIN)/python -m hetero.trainer --check $(ARGS)
+	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.trainer $(ARGS)
 
 test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; README: time on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" tests
@@ -115,13 +115,13 @@ GRID_OVERRIDES := $(foreach v,$(FIELDS) RUN_TIMEOUT_S,$(if $(value $(v)),-y "$(c
 # The recipes' arguments are shell words: "$$GRID" (from the environment) or a fixed name. The parameters are
 # checked first (plain lines, exit 2); papermill then runs the notebook with the same ones.
 define grid_recipe  # $(1): grid name, $(2): parameter file
-	PYTHONPATH=$(CURDIR) $(BIN)/python -m hetero.grid --check -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m hetero.lab.grid --check -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs
 	mkdir -p runs/$(1)
 	$(PAPERMILL) notebooks/grid.ipynb runs/$(1)/grid.ipynb -f $(2) $(GRID_OVERRIDES) -p grid $(1) -p runs_root runs \
 		$(QUIET_KERNEL)
 endef
 define report_recipe  # $(1): grid folder, $(2): output folder
-	PYTHONPATH=$(CURDIR) $(BIN)/python -m hetero.analysis --check $(1) $(2) $(if $(RUNS),$$RUNS)
+	PYTHONPATH=$(CURDIR) $(BIN)/python -m hetero.lab.analysis --check $(1) $(2) $(if $(RUNS),$$RUNS)
 	mkdir -p $(2)
 	$(PAPERMILL) notebooks/report.ipynb $(2)/report.ipynb -p grid_dir $(1) -p out_dir $(2) \
 		$(if $(RUNS),-y "run_dirs: [$$(printf '%s, ' $$RUNS | sed 's/, $$//')]") \
@@ -148,8 +148,8 @@ demo: $(STAMP) $(KERNEL)  ## the main job: a small grid (tiny model, 2 ranks, on
 # --- end grids and reports ---
 
 # --- simulator ---
-# The step simulator (hetero/simulator.py): no processes, no torch.distributed; seconds on a laptop.
-# make sim-bench [NOISE=0.02]: python -m hetero.simbench --noise 0.02, affine vs the paper's rule for 2, 16 and 1024
+# The step simulator (hetero/lab/simulator.py): no processes, no torch.distributed; seconds on a laptop.
+# make sim-bench [NOISE=0.02]: python -m hetero.lab.simbench --noise 0.02, affine vs the paper's rule for 2, 16 and 1024
 # workers, and 4096-worker timings. make sim-notebook: notebooks/balancers.ipynb (paper delays, slowdowns, random
 # delays, changing speeds) executed into runs/sim/balancers.ipynb and rendered to runs/sim/balancers.html.
 NOISE ?= 0
@@ -157,7 +157,7 @@ export NOISE
 .PHONY: sim-bench sim-notebook
 
 sim-bench: $(STAMP)  ## simulator benchmark: affine vs the paper's rule, 2/16/1024 workers (~10 s; NOISE=)
-	$(BIN)/python -m hetero.simbench --noise "$$NOISE"
+	$(BIN)/python -m hetero.lab.simbench --noise "$$NOISE"
 
 sim-notebook: $(STAMP) $(KERNEL)  ## the balancers notebook on simulated scenarios, into runs/sim/balancers.html (~1 min)
 	mkdir -p runs/sim
@@ -166,7 +166,7 @@ sim-notebook: $(STAMP) $(KERNEL)  ## the balancers notebook on simulated scenari
 # --- end simulator ---
 
 # --- benchmarks ---
-# make bench [QUICK=1] [OUT=dir]: the benchmark suite on CPU ranks (python -m hetero.bench [--quick] [--out dir]),
+# make bench [QUICK=1] [OUT=dir]: the benchmark suite on CPU ranks (python -m hetero.lab.bench [--quick] [--out dir]),
 # into runs/bench/<time>/bench.json and table.md. make gpu-check [OUT=file.json] runs on a GPU machine with its own
 # python3 and torch. Each knob is the flag of the same name: QUICK=1 --quick, OUT= --out.
 QUICK ?=
@@ -176,7 +176,7 @@ export OUT
 .PHONY: bench gpu-check
 
 bench: $(STAMP)  ## benchmarks on CPU ranks (about 9 min on 2 cores; QUICK=1 about 4 min): runs/bench/<time>/bench.json
-	$(BIN)/python -m hetero.bench $(if $(QUICK),--quick) $${OUT:+--out "$$OUT"}
+	$(BIN)/python -m hetero.lab.bench $(if $(QUICK),--quick) $${OUT:+--out "$$OUT"}
 
 gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): OUT=runs/gpu_check.json (and .md)
 	$(PYTHON) scripts/gpu_check.py --out "$${OUT:-runs/gpu_check.json}"

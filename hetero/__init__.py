@@ -1,17 +1,25 @@
-"""hetero: heterogeneity-aware synchronous data-parallel training (Sync-SGD, DP-SGD, EDP-SGD and beyond)."""
+"""hetero: heterogeneity-aware synchronous data-parallel training (Sync-SGD, DP-SGD, EDP-SGD and beyond).
+
+Three layers, each importing only the ones before it:
+- hetero.core: the library (Balance, its sampler, comm hook, balancers and partition maths); torch and numpy only.
+- hetero.integrations: the core inside other engines' loops (Lightning, the Hugging Face Trainer), optional extras.
+- hetero.trainer: the built-in CIFAR-10 trainer (`python -m hetero.trainer`), one user of the core.
+- hetero.lab: grids, reports, the simulator and the benchmarks, on top of both.
+"""
 
 __version__ = "0.1.0"
 
-_API = {"Balance", "BalancedBatchSampler", "Decision", "HeteroError", "StepRecord", "balance_hook"}
-__all__ = sorted([*_API, "BalanceCallback", "__version__"])
+_CORE = {"Balance": "balance", "BalancedBatchSampler": "sampler", "Decision": "records", "HeteroError": "agree",
+         "StepRecord": "records", "balance_hook": "hook"}
+__all__ = sorted([*_CORE, "BalanceCallback", "__version__"])
 
 
 def __getattr__(name: str):
-    # the public API (api.py) imports torch; `import hetero.partition` stays numpy-only until it is asked for
-    if name in _API:
-        from . import api
-        return getattr(api, name)
-    if name == "BalanceCallback":
-        from .lightning import BalanceCallback
+    # the public names import torch when first asked for: `import hetero.core.partition` stays numpy-only
+    if name in _CORE:
+        from importlib import import_module
+        return getattr(import_module(f".core.{_CORE[name]}", __name__), name)
+    if name == "BalanceCallback":  # needs the [lightning] extra
+        from .integrations.lightning import BalanceCallback
         return BalanceCallback
     raise AttributeError(f"module 'hetero' has no attribute {name!r}")

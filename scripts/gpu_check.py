@@ -15,7 +15,7 @@
    affine: steady-state epoch time, shares, speedup over sync.
 4. two ranks on the one GPU (gloo, since NCCL refuses two ranks on one device), rank 1 slowed, every scheme:
    steady-state epoch time, final shares, speedup over sync.
-5. probe: the largest VGG16 training batch that fits (hetero.memory.probe_max_batch, as --max-batch probe), then
+5. probe: the largest VGG16 training batch that fits (hetero.core.memory.probe_max_batch, as --max-batch probe), then
    a real training step (SGD with momentum) at that size, which must fit; the search has its own time limit.
 6. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
    --channels-last).
@@ -37,11 +37,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hetero, wherever python started
 from gpu_parts import GPU, SKIPPED, SMOKE, Sizes, markdown, probe, raw_samples_s  # noqa: E402
-from hetero.cli import CliParser  # noqa: E402
-from hetero.launch import ROOT, clean_env, torchrun_cmd  # noqa: E402
-from hetero.measure import (LaunchError, add_speedup_vs_sync, launch, read_rows, run_meta,  # noqa: E402
+from hetero.trainer.cli import CliParser  # noqa: E402
+from hetero.lab.launch import ROOT, clean_env, torchrun_cmd  # noqa: E402
+from hetero.lab.measure import (LaunchError, add_speedup_vs_sync, launch, read_rows, run_meta,  # noqa: E402
                             steady_epoch_s, steady_epochs)
-from hetero.partition import SCHEMES  # noqa: E402
+from hetero.core.partition import SCHEMES  # noqa: E402
 
 PARTS = ("throughput", "delay", "mixed", "pair", "probe", "fast")  # by importance: later ones may run out of time
 EXTRA_PATH: list[str] = []  # a stand-in tqdm, when the GPU machine's python lacks it (see preflight)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from hetero.measure import markdown_table
+from hetero.lab.measure import markdown_table
 
 SKIPPED = "skipped: "  # an error text starting so is a part the time did not allow, not a failure
 
@@ -57,7 +57,7 @@ def raw_samples_s(name: str, s: Sizes, sync_each: bool, fast: bool = False) -> f
     import torch
     import torch.nn.functional as F
 
-    from hetero.models import build_model
+    from hetero.trainer.models import build_model
 
     dev = torch.device(s.device)
     if dev.type == "cpu":  # as the trainer's CPU runs (--threads 1)
@@ -99,8 +99,8 @@ def probe(s: Sizes, left) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from hetero.memory import probe_max_batch
-    from hetero.models import build_model
+    from hetero.core.memory import probe_max_batch
+    from hetero.trainer.models import build_model
 
     res: dict = {"model": s.probe_model, "hi": s.probe_hi}
     if left() < 30:

@@ -1,4 +1,4 @@
-"""Shared test helpers: run the real command line (python -m hetero.train, under torchrun) in a subprocess."""
+"""Shared test helpers: run the real command line (python -m hetero.trainer, under torchrun) in a subprocess."""
 from __future__ import annotations
 
 import json
@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from hetero.balancer import Balancer
-from hetero.config import Config
-from hetero.launch import ROOT, clean_env, torchrun_cmd
-from hetero.partition import SCHEMES
+from hetero.core.balancer import Balancer
+from hetero.trainer.config import Config
+from hetero.lab.launch import ROOT, clean_env, torchrun_cmd
+from hetero.core.partition import SCHEMES
 
 CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
 
@@ -55,8 +55,8 @@ def _env() -> dict[str, str]:
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m hetero.train ARGS` (nproc=0) or `torchrun --standalone --nproc-per-node=N -m hetero.train ARGS`."""
-    cmd = [sys.executable, "-m", "hetero.train", *args] if nproc == 0 else torchrun_cmd(nproc, args)
+    """`python -m hetero.trainer ARGS` (nproc=0) or `torchrun --standalone --nproc-per-node=N -m hetero.trainer ARGS`."""
+    cmd = [sys.executable, "-m", "hetero.trainer", *args] if nproc == 0 else torchrun_cmd(nproc, args)
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n"

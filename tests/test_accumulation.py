@@ -20,11 +20,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
 from conftest import Indexed, max_diff, sgd_step
-from hetero.balancer import Balancer
-from hetero.config import Config, ConfigError
-from hetero.launch import free_port
-from hetero.partition import affine_batch_sizes, batch_sizes, check_feasible, predicted_step_s
-from hetero.sampler import EpochPlan
+from hetero.core.balancer import Balancer
+from hetero.trainer.config import Config, ConfigError
+from hetero.lab.launch import free_port
+from hetero.core.partition import affine_batch_sizes, batch_sizes, check_feasible, predicted_step_s
+from hetero.core.sampler import EpochPlan
 
 # pandas-based modules (analysis, simulator, conftest's run readers) are imported in the tests that use them: every
 # spawned rank imports this module, and on a loaded 2-core machine pandas adds seconds to each
@@ -112,7 +112,7 @@ def test_the_command_line_refuses_bad_micro_batches_in_one_line(args, text, monk
 
 
 def test_the_simulator_moves_counts_to_the_fast_rank():
-    from hetero.simulator import Scenario, simulate
+    from hetero.lab.simulator import Scenario, simulate
 
     r = simulate(Scenario.uniform(2, hetero="1:slowdown=3"), "edp", 64, 3, 20, micro_batch=8)
     assert np.all(r.sizes % 8 == 0) and np.all(r.sizes.sum(1) == 64)
@@ -123,8 +123,8 @@ def test_the_simulator_moves_counts_to_the_fast_rank():
 def test_the_bench_ideal_is_in_whole_micro_batches():
     import pandas as pd
 
-    from hetero.bench import Suite
-    from hetero.efficiency import cost_model
+    from hetero.lab.bench import Suite
+    from hetero.lab.efficiency import cost_model
 
     # rank 1 three times slower; each micro-batch of 8 costs a + 8c on rank 0
     rows = [{"epoch": 1, "step": s, "rank": r, "batch_size": b, "compute_s": (1 + 2 * r) * b / 8 * (0.01 + 8e-3),
@@ -290,7 +290,7 @@ def test_every_sample_once_per_epoch_while_counts_change_mid_epoch(tmp_path):
 # -- the built-in trainer (torchrun, 2 CPU ranks) ----------------------------------------------------------------
 def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
     from conftest import TINY, read_run, run_train
-    from hetero import analysis
+    from hetero.lab import analysis
 
     run = tmp_path / "run"
     run_train([*TINY, "--subset", "1024", "--global-batch", "64", "--micro-batch", "8", "--scheme", "edp",

@@ -21,11 +21,13 @@ import psutil
 import pytest
 import torch
 
-import hetero.runlog as runlog
-from hetero import analysis, safeio, train
-from hetero import grid as hg
-from hetero.data import load_data
-from hetero.launch import MARKER, launch_pids, torchrun_cmd
+import hetero.trainer.runlog as runlog
+from hetero.lab import analysis
+from hetero.core import safeio
+from hetero.trainer import run as train
+from hetero.lab import grid as hg
+from hetero.trainer.data import load_data
+from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
 
 from conftest import ROOT, _env
 from test_inputs import SMALL, _image_folder, _make, assert_one_line, check
@@ -41,7 +43,7 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("HETERO_CACHE", str(tmp_path / "cache"))
 
 
-def _cli(args: list[str], env_extra: dict | None = None, module: str = "hetero.train") -> subprocess.CompletedProcess:
+def _cli(args: list[str], env_extra: dict | None = None, module: str = "hetero.trainer") -> subprocess.CompletedProcess:
     env = {**_env(), "WORLD_SIZE": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=BOUND_S)
@@ -183,7 +185,7 @@ def test_links_in_the_cache_are_never_written_through(tmp_path, monkeypatch, cap
 
 
 def _grid_check(*args: str, capsys=None) -> subprocess.CompletedProcess:
-    """`python -m hetero.grid --check ARGS`: its main() in this process (importing papermill takes seconds)."""
+    """`python -m hetero.lab.grid --check ARGS`: its main() in this process (importing papermill takes seconds)."""
     rc = hg.main(["--check", *args])
     out = capsys.readouterr()
     return subprocess.CompletedProcess(args, rc, out.out, out.err)
@@ -263,7 +265,7 @@ def test_launch_numbers_are_checked_before_anything_indexes_by_them(monkeypatch,
 def done_run(tmp_path_factory) -> Path:
     """A completed one-process run of SMALL (copied by each test that changes it)."""
     run = tmp_path_factory.mktemp("done") / "run"
-    p = subprocess.run([sys.executable, "-m", "hetero.train", *SMALL, "--epochs", "1", "--run-dir", str(run)],
+    p = subprocess.run([sys.executable, "-m", "hetero.trainer", *SMALL, "--epochs", "1", "--run-dir", str(run)],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     return run

@@ -5,8 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from hetero.balancer import Balancer
-from hetero.partition import affine_batch_sizes, batch_sizes, fit_affine, predicted_step_s, step_times
+from hetero.core.balancer import Balancer
+from hetero.core.partition import affine_batch_sizes, batch_sizes, fit_affine, predicted_step_s, step_times
 
 
 def brute_force(a, c, B, lo, hi, sit_out):

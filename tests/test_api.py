@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
 from conftest import Indexed, max_diff, sgd_step
-from hetero.launch import free_port
-from hetero.sampler import EpochPlan
+from hetero.lab.launch import free_port
+from hetero.core.sampler import EpochPlan
 
 
 def _balance(monkeypatch, rank: int, world: int = 2, **kw) -> hetero.Balance:
@@ -246,7 +246,7 @@ def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
         sizes = torch.tensor(np.stack([r.sizes for r in bal.records[bal._decided_upto:]]), dtype=torch.float64)
         handed = row[-1:]
         return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
-    monkeypatch.setattr(hetero.api, "gather_rows", fake_gather)
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", fake_gather)
     for epoch in range(2):
         bal.set_epoch(epoch)
         for batch in sampler:
@@ -264,8 +264,8 @@ def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
     bal = _balance(monkeypatch, 0, global_batch=32, max_batch=["probe", 8])
     with pytest.raises(ValueError, match="call bal.probe"):
         bal.attach(torch.nn.Linear(2, 2))  # refused before anything touches the model
-    monkeypatch.setattr(hetero.api.dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(hetero.api, "gather_rows", lambda row, device: torch.stack([row, torch.tensor([8.0])]))
+    monkeypatch.setattr(hetero.core.balance.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, device: torch.stack([row, torch.tensor([8.0])]))
     limits = bal.probe(torch.nn.Linear(2, 2), (2,), 2, torch.device("cpu"))
     assert limits == [float("inf"), 8]                     # a CPU rank is not probed; rank 1 keeps its 8
     bal.batch_sampler(64)
@@ -277,7 +277,7 @@ def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
 def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
     recorded = {1: np.array([[3, 5], [6, 2], [4, 4]]), 2: np.array([[1, 7], [7, 1], [2, 6]])}
     bal = _balance(monkeypatch, 1, global_batch=8, scheme="edp", rebalance_every=1, replay=recorded)
-    monkeypatch.setattr(hetero.api, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
     assert bal.set_samples(24) == 3
     for epoch in (1, 2):
         bal.set_epoch(epoch)
@@ -292,7 +292,7 @@ def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
 def test_affine_probes_two_sizes_in_its_first_window_then_decides(monkeypatch):
     bal = _balance(monkeypatch, 0, global_batch=40, scheme="affine", rebalance_every=4)
     bal.set_samples(400)
-    monkeypatch.setattr(hetero.api, "gather_rows", lambda row, dev: torch.stack([row, row]))
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, dev: torch.stack([row, row]))
     bal.set_epoch(1)
     seen = []
     for step in range(4):
@@ -308,7 +308,7 @@ def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
     bal.set_samples(16)
     bal.set_epoch(0)
     slept = []
-    monkeypatch.setattr(hetero.hook.time, "sleep", slept.append)
+    monkeypatch.setattr(hetero.core.hook.time, "sleep", slept.append)
     for step in range(2):
         bal.begin_step(step)
         weight = bal._weight

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hetero.launch import clean_env
+from hetero.lab.launch import clean_env
 
 from conftest import CIFAR_JPG, ROOT
 

@@ -1,4 +1,4 @@
-"""The measurement toolkit (hetero.measure), and smoke tests of the benchmark suite (python -m hetero.bench) and the
+"""The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench) and the
 GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
 ratios are sane. No absolute times; the emulated slowdown (8x) is far larger than what a busy 2-core host does to
 one rank. The two smoke runs are in the slow tier (make test-all)."""
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from conftest import ROOT, _env
 
-from hetero import measure
-from hetero.simbench import decision_times
+from hetero.lab import measure
+from hetero.lab.simbench import decision_times
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -28,12 +28,12 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_bench_quickest(tmp_path):
     out = tmp_path / "bench"
-    p = _run([sys.executable, "-m", "hetero.bench", "--quick", "--out", str(out), "--worlds", "2", "--slowdowns", "8",
+    p = _run([sys.executable, "-m", "hetero.lab.bench", "--quick", "--out", str(out), "--worlds", "2", "--slowdowns", "8",
               "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
               "--overhead-epochs", "2", "--max-workers", "16", "--hf-runs", "1", "--hf-steps", "6"], timeout=360)
     res = json.loads((out / "bench.json").read_text())
     assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
-    assert res["meta"]["suite"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.bench")
+    assert res["meta"]["suite"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.lab.bench")
 
     (r,) = res["balance"]
     assert (r["world"], r["kind"], r["hetero"], r["scheme"], r["speedup_vs_sync"]) == (2, "slowdown", "1:slowdown=8",
@@ -155,9 +155,9 @@ def test_decision_times_repeat_within_their_bounds():
     assert len(decision_times("proportional", 8, repeats=(3, 3))) == 3
 
 
-@pytest.mark.parametrize("argv", [["hetero.bench", "--worlds", "1"], ["hetero.bench", "--parts", "x"],
-                                  ["hetero.bench", "--slowdowns", "two"], ["hetero.simbench", "--noise", "-1"],
-                                  ["hetero.overhead", "--out", "x", "--subset", "1", "--global-batch", "4",
+@pytest.mark.parametrize("argv", [["hetero.lab.bench", "--worlds", "1"], ["hetero.lab.bench", "--parts", "x"],
+                                  ["hetero.lab.bench", "--slowdowns", "two"], ["hetero.lab.simbench", "--noise", "-1"],
+                                  ["hetero.lab.overhead", "--out", "x", "--subset", "1", "--global-batch", "4",
                                    "--epochs", "3"]])
 def test_bad_input_is_one_line_and_status_2(argv):
     p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True,
@@ -165,8 +165,8 @@ def test_bad_input_is_one_line_and_status_2(argv):
     assert p.returncode == 2 and p.stderr.startswith("hetero: error: ") and p.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("target,knobs,module", [("bench", {"QUICK": "1", "OUT": "x"}, "hetero.bench"),
-                                                 ("sim-bench", {"NOISE": "0.02"}, "hetero.simbench")])
+@pytest.mark.parametrize("target,knobs,module", [("bench", {"QUICK": "1", "OUT": "x"}, "hetero.lab.bench"),
+                                                 ("sim-bench", {"NOISE": "0.02"}, "hetero.lab.simbench")])
 def test_make_knobs_are_the_flags_of_the_same_name(target, knobs, module):
     make = subprocess.run(["make", "-n", target, "STAMP=", *(f"{k}={v}" for k, v in knobs.items())], cwd=ROOT,
                           capture_output=True, text=True, timeout=60).stdout
@@ -190,7 +190,7 @@ def _steps_frame(fixed, per, delay, sizes, steps=8):
 
 
 def test_cost_model_separates_a_constant_delay_and_a_slowdown_from_the_work():
-    from hetero.efficiency import cost_model
+    from hetero.lab.efficiency import cost_model
 
     a, c = 0.004, 0.0005
     # rank 1 sleeps 0.05 s per step: its own work is like rank 0's, the sleep is its delay
@@ -214,8 +214,8 @@ def test_cost_model_of_ranks_sharing_a_core():
     ideal moves rank 3's work to its core-mate, which a per-rank model cannot see."""
     import pandas as pd
 
-    from hetero.coupled import coupled_batch_sizes, finish_s, shared_walls
-    from hetero.efficiency import cost_model
+    from hetero.lab.coupled import coupled_batch_sizes, finish_s, shared_walls
+    from hetero.lab.efficiency import cost_model
 
     a, c, d, cores = 0.002, 0.001, 0.3, ["0", "0", "1", "1"]
     sizes = np.array([[128, 128, 128, 128], [140, 120, 200, 52], [100, 150, 230, 32]] * 4)
@@ -234,7 +234,7 @@ def test_cost_model_of_ranks_sharing_a_core():
 
 
 def test_summary_and_affine_against_dp_over_repeats():
-    from hetero.efficiency import affine_vs_dp, summary
+    from hetero.lab.efficiency import affine_vs_dp, summary
 
     def row(scheme, effect, kind, ratio, rep):
         return {"world": 2, "effect": effect, "kind": kind, "scheme": scheme, "repeat": rep, "global_batch": 256,

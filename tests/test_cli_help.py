@@ -10,11 +10,11 @@ from dataclasses import fields
 
 import pytest
 
-from hetero.cli import build_parser, flag_help, flag_table
-from hetero.config import Config
-from hetero.launch import ROOT
-from hetero.models import MODELS
-from hetero.partition import SCHEMES
+from hetero.trainer.cli import build_parser, flag_help, flag_table
+from hetero.trainer.config import Config
+from hetero.lab.launch import ROOT
+from hetero.trainer.models import MODELS
+from hetero.core.partition import SCHEMES
 
 
 
@@ -48,14 +48,14 @@ def test_choices_match_what_validation_accepts():
 
 
 def test_help_through_the_command_line():
-    p = subprocess.run([sys.executable, "-m", "hetero.train", "--help"], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "hetero.trainer", "--help"], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0 and "--global-batch GLOBAL_BATCH" in p.stdout and "samples per step" in p.stdout
 
 
 def test_readme_flag_table_is_the_generated_one():
     readme = (ROOT / "README.md").read_text()
-    assert flag_table(markdown=True) in readme, "regenerate it: python -m hetero.cli --markdown"
+    assert flag_table(markdown=True) in readme, "regenerate it: python -m hetero.trainer.cli --markdown"
 
 
 def test_make_help_lists_every_field_with_its_help():

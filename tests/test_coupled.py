@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from hetero.coupled import coupled_batch_sizes, finish_s, fit_scale, shared_walls, unshare
-from hetero.partition import affine_batch_sizes, predicted_step_s
-from hetero.simulator import Scenario, simulate
+from hetero.lab.coupled import coupled_batch_sizes, finish_s, fit_scale, shared_walls, unshare
+from hetero.core.partition import affine_batch_sizes, predicted_step_s
+from hetero.lab.simulator import Scenario, simulate
 
 
 def test_shared_walls_is_processor_sharing_and_unshare_inverts_it():

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from hetero.emulator import Emulator, parse_hetero
+from hetero.core.emulator import Emulator, parse_hetero
 
 
 def test_grammar():
@@ -71,7 +71,7 @@ def test_delays_are_bit_identical_to_the_per_step_formula():
 
 
 def test_vectorised_windows_match_the_grammar():
-    from hetero.emulator import active
+    from hetero.core.emulator import active
     effects = [e for es in parse_hetero("0:delay=1@2-3, 0:delay=1@s4-6, 0:delay=1@cycle=5/2, 0:delay=1@s8-").values()
                for e in es]
     on = active(effects, 2, np.arange(12))
@@ -82,7 +82,7 @@ def test_vectorised_windows_match_the_grammar():
 
 
 def test_mean_effects_is_what_the_draws_average_to():
-    from hetero.emulator import mean_effects, sample_effects
+    from hetero.core.emulator import mean_effects, sample_effects
     effects = parse_hetero("0:exp=0.02, 0:gamma=2/0.05, 0:slowdown=3, 0:delay=0.01")[0]
     factor, mean = mean_effects(effects)
     assert factor.tolist() == [0, 0, 2, 0] and mean == pytest.approx([0.02, 0.1, 0, 0.01])

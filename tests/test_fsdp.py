@@ -21,8 +21,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
 from conftest import sgd_step
-from hetero.launch import ROOT, clean_env, free_port, torchrun_cmd
-from hetero.sampler import EpochPlan
+from hetero.lab.launch import ROOT, clean_env, free_port, torchrun_cmd
+from hetero.core.sampler import EpochPlan
 
 DATA = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)),
                      torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2)))

@@ -14,13 +14,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from conftest import TINY, read_run, run_train
-from hetero import memory
-from hetero.api import spend_delay
-from hetero.data import DeviceLoader
-from hetero.dist import Place, StepClock, choose_backend, exchange_places, gpu_identity, shared_gpu_groups
-from hetero.emulator import Emulator
-from hetero.memory import fitting_batch, is_alloc_failure
-from hetero.seeding import EMULATOR, epoch_seed
+from hetero.core import memory
+from hetero.core.balance import spend_delay
+from hetero.trainer.data import DeviceLoader
+from hetero.core.clock import StepClock
+from hetero.trainer.dist import Place, choose_backend, exchange_places, gpu_identity, shared_gpu_groups
+from hetero.core.emulator import Emulator
+from hetero.core.memory import fitting_batch, is_alloc_failure
+from hetero.core.seeding import EMULATOR, epoch_seed
 
 CPU = torch.device("cpu")
 SEED, EPOCH, RANK = 7, 2, 1

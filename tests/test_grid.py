@@ -1,4 +1,4 @@
-"""hetero.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout."""
+"""hetero.lab.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import pandas as pd
 import psutil
 import pytest
 
-from hetero import grid as hg
-from hetero.cli import parse_args
-from hetero.config import Config
+from hetero.lab import grid as hg
+from hetero.trainer.cli import parse_args
+from hetero.trainer.config import Config
 
 TINY = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_batch=64, epochs=1, device="cpu")
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hetero.launch import clean_env
+from hetero.lab.launch import clean_env
 
 from conftest import ROOT
 

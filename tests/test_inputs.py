@@ -18,10 +18,10 @@ import pandas as pd
 import pytest
 import torch
 
-from hetero import grid as hg
-from hetero.config import Config
-from hetero.resume import RESUMABLE
-from hetero.train import main
+from hetero.lab import grid as hg
+from hetero.trainer.config import Config
+from hetero.trainer.resume import RESUMABLE
+from hetero.trainer.run import main
 
 from conftest import ROOT, _env, run_train
 
@@ -269,7 +269,7 @@ def test_plan_grid_from_refuses_a_near_miss_of_a_parameter(tmp_path):
 
 
 def _grid_check(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hetero.grid", "--check", *args], cwd=ROOT, env=_env(),
+    return subprocess.run([sys.executable, "-m", "hetero.lab.grid", "--check", *args], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
 
 

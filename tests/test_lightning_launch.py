@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from hetero.launch import clean_env
+from hetero.lab.launch import clean_env
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 pytestmark = pytest.mark.slow  # three Lightning launches, about 15 s each on 2 quiet cores

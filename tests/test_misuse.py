@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
-import hetero.settle
+import hetero.core.settle
 from conftest import Indexed, max_diff, sgd_step
-from hetero.launch import free_port
+from hetero.lab.launch import free_port
 
 
 def _spawn(fn, tmp_path, *args, world: int = 2) -> list[dict]:
@@ -178,7 +178,7 @@ def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
         result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
         # what the exit waits for: gloo's threads have freed every callback of the hook (none left to free
         # while the interpreter shuts down)
-        result["callbacks_freed"] = hetero.settle.settle.wait(timeout_s=10)
+        result["callbacks_freed"] = hetero.core.settle.settle.wait(timeout_s=10)
     except hetero.HeteroError as e:
         result["error"] = str(e)
     result["stepped"] = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -295,7 +295,7 @@ def test_a_peek_at_the_loader_names_the_second_iteration(monkeypatch):
 def test_a_loop_without_epochs_decides_every_k_steps(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(hetero.api, "gather_rows", lambda row, dev: torch.stack(
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, dev: torch.stack(
         [torch.cat([torch.full((len(row) - 1,), 1e-3, dtype=torch.float64), row[-1:]]),
          torch.cat([torch.full((len(row) - 1,), 3e-3, dtype=torch.float64), row[-1:]])]))
     bal = hetero.Balance(global_batch=32, scheme="dp", rebalance_every=5)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hetero.models import MODELS, build_model
+from hetero.trainer.models import MODELS, build_model
 
 
 @pytest.mark.parametrize("name", MODELS)

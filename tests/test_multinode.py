@@ -8,7 +8,7 @@ import sys
 import numpy as np
 
 from conftest import ROOT, TINY, _env, read_run, replay_decisions
-from hetero.launch import free_port
+from hetero.lab.launch import free_port
 
 
 def test_two_torchrun_nodes_on_one_machine(tmp_path):
@@ -17,7 +17,7 @@ def test_two_torchrun_nodes_on_one_machine(tmp_path):
             "--run-dir", str(run)]
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hetero-test", "-m", "hetero.train",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hetero-test", "-m", "hetero.trainer",
          *args], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][1][-3000:] + outs[1][1][-3000:]

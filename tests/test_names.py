@@ -10,10 +10,10 @@ from dataclasses import fields
 import nbformat
 import pytest
 
-from hetero.cli import build_parser
-from hetero.config import Config
-from hetero.grid import GRID_KEYS, PARAMETERS
-from hetero.launch import ROOT
+from hetero.trainer.cli import build_parser
+from hetero.trainer.config import Config
+from hetero.lab.grid import GRID_KEYS, PARAMETERS
+from hetero.lab.launch import ROOT
 
 CONFIG = {f.name for f in fields(Config)}
 
@@ -51,12 +51,13 @@ def test_grid_notebook_parameters_are_configs_fields_or_grid_keys():
 
 def test_readme_layout_names_every_module_and_only_files_that_exist():
     text = (ROOT / "README.md").read_text()
-    table = text[text.index("## Layout"):].split("\n\n")[1]
+    table = next(p for p in text[text.index("## Layout"):].split("\n\n") if p.startswith("| path"))
     named = set()
     for line in table.splitlines()[2:]:
         cells = line.split("|")[1].replace("`", "").split(",")
         folder = cells[0].strip().rsplit("/", 1)[0] + "/" if "/" in cells[0].strip().rstrip("/") else ""
         named |= {c.strip() if "/" in c else folder + c.strip() for c in cells}
     assert all((ROOT / n).exists() for n in named if not n.startswith("runs")), named
-    modules = {str(p.relative_to(ROOT)) for d in ("hetero", "scripts") for p in (ROOT / d).glob("*.py")}
-    assert modules - {"hetero/__init__.py"} <= named
+    modules = {str(p.relative_to(ROOT)) for d in ("hetero", "scripts") for p in (ROOT / d).rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    assert modules <= named, modules - named

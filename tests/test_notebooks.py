@@ -10,8 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hetero import analysis
-from hetero.launch import ROOT
+from hetero.lab import analysis
+from hetero.lab.launch import ROOT
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 FIGURES = ["curves_epoch", "curves_time", "shares", "step_times", "time_breakdown"]

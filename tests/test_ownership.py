@@ -15,10 +15,10 @@ import psutil
 import pytest
 import torch
 
-import hetero.runlog as runlog
-from hetero import train
-from hetero.launch import MARKER, launch_pids, torchrun_cmd
-from hetero.runlog import RunFolder, acquire_lock, status
+import hetero.trainer.runlog as runlog
+from hetero.trainer import run as train
+from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
+from hetero.trainer.runlog import RunFolder, acquire_lock, status
 
 from conftest import ROOT, TINY, _env, read_run, run_train
 
@@ -26,7 +26,7 @@ WATCHDOG_BOUND_S = 30  # README: a worker exits ~1 s after its launcher dies; th
 
 
 def _cli(args):
-    return subprocess.run([sys.executable, "-m", "hetero.train", *args], cwd=ROOT, env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hetero.trainer", *args], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=180)
 
 
@@ -140,7 +140,7 @@ def _listening(pid):
 
 
 def _workers(marker):
-    return [pid for pid in launch_pids(marker) if "hetero.train" in open(f"/proc/{pid}/cmdline").read()]
+    return [pid for pid in launch_pids(marker) if "hetero.trainer" in open(f"/proc/{pid}/cmdline").read()]
 
 
 def test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them(tmp_path):
@@ -192,7 +192,7 @@ def _alive(pid):
 def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
     import threading
 
-    import hetero.grid as hg
+    import hetero.lab.grid as hg
 
     g = hg.plan_grid(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=60, **{**GRID, "epochs": 1000})
     seen, stopped = set(), []
@@ -225,7 +225,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
 def test_two_identical_grids_at_once_train_each_run_once(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    code = (f"from hetero.grid import plan_grid, run_grid; run_grid(plan_grid(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
+    code = (f"from hetero.lab.grid import plan_grid, run_grid; run_grid(plan_grid(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
             f"seed=[0, 1], epochs=2, **{GRID!r}), progress=False)")
     env = {**_env(), "TMPDIR": str(tmp)}
     grids = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,

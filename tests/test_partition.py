@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from hetero.balancer import Balancer
-from hetero.partition import batch_sizes, check_feasible, proportional_shares
+from hetero.core.balancer import Balancer
+from hetero.core.partition import batch_sizes, check_feasible, proportional_shares
 
 
 def test_batch_sizes_random_properties():

@@ -4,7 +4,7 @@ busy 2-core host does to one rank, so no assertion depends on timing noise."""
 import numpy as np
 import torch
 
-from hetero.sampler import EpochPlan
+from hetero.core.sampler import EpochPlan
 
 from conftest import TINY, read_run, replay_decisions, run_train
 

@@ -12,15 +12,15 @@ import psutil
 import pytest
 import torch
 
-from hetero.launch import torchrun_cmd
-from hetero.runlog import RunFolder
+from hetero.lab.launch import torchrun_cmd
+from hetero.trainer.runlog import RunFolder
 
 from conftest import ROOT, TINY, _env, read_run, run_train
 
 
 def _cli(args, world=1, env_extra=None):
     env = {**_env(), "WORLD_SIZE": str(world), **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "hetero.train", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hetero.trainer", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -47,8 +47,8 @@ BAD = [
 
 
 def _main(argv: list[str]) -> int:
-    """hetero.train.main in this process (no torch import per case); an argparse error exits like the CLI."""
-    from hetero.train import main
+    """hetero.trainer.run.main in this process (no torch import per case); an argparse error exits like the CLI."""
+    from hetero.trainer.run import main
     try:
         return main(argv)
     except SystemExit as e:
@@ -147,7 +147,7 @@ def _wait_epochs(run, n, proc, limit=600):
 def _rank_pid(proc, rank):
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
-            if child.environ().get("RANK") == str(rank) and "hetero.train" in " ".join(child.cmdline()):
+            if child.environ().get("RANK") == str(rank) and "hetero.trainer" in " ".join(child.cmdline()):
                 return child.pid
         except psutil.Error:
             pass
@@ -207,7 +207,7 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     args = [*TINY, "--subset", "1024", "--epochs", "3", "--hetero", "1:delay=0.1", "--timeout-s", "60",
             "--run-dir", str(run)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
-           "-m", "hetero.train", *args]
+           "-m", "hetero.trainer", *args]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     _wait_epochs(run, 1, proc)  # epoch 1 checkpointed: the restart resumes after it

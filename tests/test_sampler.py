@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from hetero.partition import batch_sizes
-from hetero.sampler import EpochPlan
+from hetero.core.partition import batch_sizes
+from hetero.core.sampler import EpochPlan
 
 
 def _epoch_indices(plan: EpochPlan, sizes_per_step, world: int):

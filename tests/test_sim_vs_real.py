@@ -4,8 +4,8 @@ timing noise."""
 import numpy as np
 import pandas as pd
 
-from hetero.partition import fit_affine
-from hetero.simulator import Scenario, simulate
+from hetero.core.partition import fit_affine
+from hetero.lab.simulator import Scenario, simulate
 
 from conftest import read_run, run_train
 

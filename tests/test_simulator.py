@@ -5,10 +5,10 @@ import nbformat
 import numpy as np
 import pytest
 
-from hetero.launch import ROOT
-from hetero.partition import affine_batch_sizes, batch_sizes
-from hetero.simbench import benchmark
-from hetero.simulator import Scenario, compare, simulate, stability, sweep
+from hetero.lab.launch import ROOT
+from hetero.core.partition import affine_batch_sizes, batch_sizes
+from hetero.lab.simbench import benchmark
+from hetero.lab.simulator import Scenario, compare, simulate, stability, sweep
 
 
 
@@ -137,7 +137,7 @@ def test_balancers_notebook_runs(tmp_path, monkeypatch):
 
 
 def test_the_simulator_and_the_trainer_share_one_emulator():
-    from hetero.emulator import Emulator
+    from hetero.core.emulator import Emulator
     spec = "0:gamma=2/0.01@s3-7, 0:delay=0.005@cycle=4/1, 0:slowdown=2@s5-, 0:delay=0.5@2-"
     sc = Scenario([0.01], [1e-4], hetero=spec)
     r = simulate(sc, "sync", global_batch=8, epochs=1, steps_per_epoch=12, seed=3)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from hetero.data import DeviceLoader, load_data
-from hetero.models import build_model
-from hetero.train import evaluate
+from hetero.trainer.data import DeviceLoader, load_data
+from hetero.trainer.models import build_model
+from hetero.trainer.run import evaluate
 
 from conftest import read_run, replay_decisions, run_train
 

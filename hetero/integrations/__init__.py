@@ -1,1 +1,2 @@
-"""hetero's attachments to other training engines (FSDP2, Hugging Face), each an optional extra."""
+"""hetero inside other engines' loops: Lightning (the [lightning] extra), the Hugging Face Trainer and Accelerate
+([hf]). Each imports hetero.core only; FSDP2 is torch's own, so its support is in the core (core/fsdp.py)."""

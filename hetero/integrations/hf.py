@@ -39,8 +39,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
-from .. import safeio
-from ..api import Balance
+from ..core import safeio
+from ..core.balance import Balance
 
 STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
 
@@ -98,7 +98,7 @@ class HeteroTrainer(Trainer):
 
     # -- the data: hetero's batch sampler, not sharded again by accelerate ------------------------------------
     def get_train_dataloader(self) -> DataLoader:
-        """This rank's slices of each step's window (hetero.sampler), with the Trainer's collator and workers."""
+        """This rank's slices of each step's window (hetero.core.sampler), with the Trainer's collator and workers."""
         ds, a = self.train_dataset, self.args
         if ds is None:
             raise ValueError("Trainer: training requires a train_dataset.")

@@ -1,0 +1,159 @@
+"""What every rank of a Balance must agree on, and how a rank tells the others why it stopped.
+
+- launcher_world: the rank and world from an initialised process group, else torchrun's RANK and WORLD_SIZE;
+  None when neither says (Lightning's own launcher builds the callback before either exists).
+- agree: every rank's fingerprint (plain JSON data) gathered in rank order; any field that differs raises the same
+  HeteroError on every rank, naming the field and each rank's value.
+- post / peer_error: a mistake only one rank can see (its optimizer stepped on gradients that were not all-reduced)
+  leaves the others blocked in a collective with it. That rank posts its line on the process group's store and
+  closes its connections; the others' collectives then fail, and they raise the posted line instead of gloo's
+  "Connection closed by peer".
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from .settle import settle
+
+_KEY = "hetero/error/"
+
+
+class HeteroError(RuntimeError):
+    """A misuse of hetero that stops every rank alike; its message is one line starting with "hetero: "."""
+
+
+def launcher_world() -> tuple[int, int] | None:
+    """(rank, world) from an initialised process group, else from torchrun's RANK and WORLD_SIZE; else None."""
+    if dist.is_available() and dist.is_initialized():
+        settle.collectives()
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def gather_json(obj, device: torch.device) -> list:
+    """Every rank's JSON-able obj, in rank order (plain data only: nothing unpickled from a peer)."""
+    data = torch.tensor(list(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
+    world = dist.get_world_size()
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(lengths, n)
+    size = max(int(k.item()) for k in lengths)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    buf[:len(data)] = data
+    buf = buf.to(device)
+    out = [torch.empty_like(buf) for _ in range(world)]
+    dist.all_gather(out, buf)
+    return [json.loads(bytes(o[:int(k.item())].cpu().tolist()).decode()) for o, k in zip(out, lengths)]
+
+
+def _short(v) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def agree(fingerprint: dict, device: torch.device, where: str) -> None:
+    """Collective: raise the same HeteroError on every rank when any field of the ranks' fingerprints differs.
+    The fields `rank` and `world` are checked against the process group first (a Balance built on a guess)."""
+    rows = gather_json(fingerprint, device)
+    world = dist.get_world_size()
+    wrong = [r for r, row in enumerate(rows) if (row["rank"], row["world"]) != (r, world)]
+    if wrong:
+        r = wrong[0]
+        raise HeteroError(f"hetero: at {where}, rank {r} of the process group's {world} holds a Balance for rank "
+                          f"{rows[r]['rank']} of {rows[r]['world']}: it was built before its launcher set the rank "
+                          f"and world; build it after init_process_group or under torchrun, or (Lightning) pass it to "
+                          f"hetero.BalanceCallback")
+    for key in (k for k in fingerprint if k != "rank"):
+        values = [row.get(key) for row in rows]
+        if any(v != values[0] for v in values):
+            each = ", ".join(f"rank {r} has {_short(v)}" for r, v in enumerate(values))
+            raise HeteroError(f"hetero: at {where}, the ranks disagree on {key}: {each} (every rank must build its "
+                              f"Balance with the same settings and call set_epoch with the same epoch)")
+
+
+def _store() -> dist.Store | None:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):  # no process group, or a torch without the helper
+        return None
+
+
+def post(message: str, grace_s: float = 3.0) -> None:
+    """This rank's last words: put them on the store, close this rank's connections (so peers blocked in a
+    collective with it fail now instead of at the timeout) and give them `grace_s` to read before it raises."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
+    if store is None:
+        return
+    try:
+        store.set(_KEY + str(rank), message)
+        dist.destroy_process_group()  # the store object stays alive with this reference (rank 0 may host it)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not all(store.check([f"{_KEY}read/{r}"]) for r in range(world)
+                                                      if r != rank):
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - the line is raised here whatever the store does
+        pass
+
+
+def same_steps(epoch: int, ran: int, planned: int) -> None:
+    """At the end of an epoch, before any collective: a rank that ran fewer steps than the epoch has may have left
+    it early (a `break`) while its peers wait for it inside a step, where a collective of ours would pair with
+    theirs and hang. So each rank puts its count on the store; one that ran short waits there for every rank's
+    count (the store's timeout: the process group's). All short alike (a limit on the batches) goes on; a peer
+    still in the epoch never answers, and both sides then raise the posted line instead of a socket timeout."""
+    store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
+    if store is None:
+        return
+    key = f"hetero/ran/{epoch}/"
+    store.set(key + str(rank), str(ran))
+    if ran >= planned:
+        return
+    why = (f"hetero: rank {rank} left epoch {epoch} after {ran} of its {planned} steps while another rank went on: "
+           f"every rank must run the same steps of each epoch")
+    store.set(_KEY + str(rank), why)
+    try:
+        store.wait([key + str(r) for r in range(world)])
+    except Exception:  # noqa: BLE001 - the store's timeout: a peer is still inside the epoch
+        raise HeteroError(why) from None
+    store.delete_key(_KEY + str(rank))
+
+
+def peer_error() -> str | None:
+    """The line a peer posted before it stopped, if any (read after one of this rank's collectives failed)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for r in range(world):
+            if r != rank and store.check([_KEY + str(r)]):
+                message = store.get(_KEY + str(r)).decode()
+                store.set(f"{_KEY}read/{rank}", "1")
+                return message
+    except Exception:  # noqa: BLE001 - no store to read: the original error stands
+        return None
+    return None
+
+
+def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """All ranks' float64 rows, stacked in rank order: [world, *values.shape], on the CPU."""
+    t = values.to(device=device, dtype=torch.float64).contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out).cpu()
+
+
+def sum_all(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Element-wise float64 sum over ranks (exact metric totals)."""
+    t = values.to(device=device, dtype=torch.float64, copy=True)
+    dist.all_reduce(t)
+    return t.cpu()

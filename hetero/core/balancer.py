@@ -1,0 +1,204 @@
+"""The balancer: per-rank shares and batch sizes, re-decided from measured step times by a scheme's rule.
+
+Stateful but pure (numpy only): the trainer and the simulator drive the same class; every rank feeds it the same
+gathered numbers, so every rank reaches the same decision. The maths it calls lives in partition.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .partition import (
+    N_STATS,
+    _as_bounds,
+    _moments,
+    affine_batch_sizes,
+    batch_sizes,
+    fit_stats,
+    predicted_step_s,
+    proportional_shares,
+    window_stats,
+)
+
+
+@dataclass
+class Balancer:
+    """Per-rank shares and batch sizes, re-decided from measured compute times by the scheme's rule.
+
+    smoothing: weight of the previous estimate in an exponential moving average (0 = use the latest only); the
+      shares for the proportional rule, the fitted fixed and per-sample costs for the affine rule.
+    deadband: keep the current batch sizes unless the predicted slowest step shrinks by more than this fraction.
+    significance: ... nor by less than this many standard errors of a difference of two ranks' mean step times in
+      the window (their scatter about the fitted line): a gain the measurement noise could produce is not made.
+    sit_out: the affine rule may give a rank whose fixed cost alone exceeds the balanced step time batch 0.
+    probe_steps: before its first decision the affine rule alternates batch sizes by +-30% on this many first
+      steps, so every rank is timed at two sizes (later decisions also learn from the sizes changing).
+    granularity: the micro-batch mode's m: the maths decides whole micro-batches per rank (sizes are multiples
+      of m); times are still fitted per sample, so a step is a fixed cost plus a cost per micro-batch.
+    windows_kept: windows kept for the affine fit; a rank's older windows are dropped when its time jumps at an
+      unchanged batch size (its speed changed), so a change is followed at the next decision.
+    """
+    rule: str
+    world: int
+    global_batch: int
+    min_batch: int | list[int] = 1
+    max_batch: int | list[int] | None = None
+    smoothing: float = 0.0
+    deadband: float = 0.0
+    significance: float = 1.0
+    sit_out: bool = False
+    granularity: int = 1  # sizes are multiples of this (the micro-batch m; 1: any size)
+    probe_steps: int = 16
+    windows_kept: int = 4
+    shares: np.ndarray = field(default=None)
+    sizes: np.ndarray = field(default=None)
+    fixed_s: np.ndarray = field(default=None)
+    per_sample_s: np.ndarray = field(default=None)
+    decisions: int = 0
+    _pending: list = field(default_factory=list, repr=False)   # [N_STATS, world] per window since the decision
+    _windows: np.ndarray = field(default=None, repr=False)     # [k, N_STATS, world] the kept windows
+    _probe_sizes: tuple = field(default=None, repr=False)
+    _held: list = field(default_factory=list, repr=False)    # proportional: windows since the sizes last changed
+
+    def __post_init__(self):
+        if self.rule not in ("static", "proportional", "affine"):
+            raise ValueError(f"unknown rule {self.rule!r}")
+        if not (0 <= self.smoothing < 1 and 0 <= self.deadband < 1):
+            raise ValueError("smoothing and deadband must lie in [0, 1)")
+        if not 0 <= self.significance < np.inf:
+            raise ValueError("significance must be >= 0 (standard errors; 0: off)")
+        if self.shares is None:
+            self.shares = np.full(self.world, 1.0 / self.world)
+        self.shares = np.asarray(self.shares, float)
+        if self.sizes is None:
+            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
+        if self._windows is None:
+            self._windows = np.zeros((0, N_STATS, self.world))
+
+    @property
+    def probing(self) -> bool:
+        """Affine needs two distinct batch sizes per rank: it probes until its first decision."""
+        return self.rule == "affine" and self.probe_steps > 0 and self.decisions == 0 and self.world > 1
+
+    def sizes_for_step(self, step: int) -> np.ndarray:
+        """Batch sizes for one step (they sum to global_batch); step counts from the start of the epoch."""
+        if not self.probing or step >= self.probe_steps:
+            return self.sizes
+        if self._probe_sizes is None:
+            # Neighbouring ranks swap +-30% every step; with an odd world the shares are renormalised, so every
+            # rank still sees two sizes. Rounding keeps the sizes within bounds and the sum exact.
+            sign = np.where(np.arange(self.world) % 2 == 0, 1.0, -1.0)
+            self._probe_sizes = tuple(batch_sizes(self.shares * (1 + 0.3 * s), self.global_batch, self.min_batch,
+                                                  self.max_batch, self.granularity) for s in (sign, -sign))
+        return self._probe_sizes[step % 2]
+
+    def observe(self, batch, compute_s) -> None:
+        """Record steps: batch and compute_s are [steps, world] arrays of sizes and local compute times (s)."""
+        batch, compute_s = np.atleast_2d(batch), np.atleast_2d(compute_s)
+        if len(batch):
+            self._pending.append(window_stats(batch, compute_s))
+
+    def decide(self) -> bool:
+        """Re-decide shares and batch sizes from the observations since the last decision; True if they changed."""
+        if self.rule == "static" or not self._pending:
+            self._pending.clear()
+            return False
+        window = np.sum(self._pending, axis=0)
+        self._pending.clear()
+        # the proportional rule decides from the windows since the sizes last changed (at most windows_kept), so a
+        # difference held back as noise is measured again on more steps; affine's fit keeps windows of its own
+        new = np.sum([*self._held, window], axis=0) if self.rule == "proportional" else window
+        if self.rule == "proportional":
+            fixed, per = np.zeros(self.world), new[2] / np.maximum(new[1], 1)
+            new_shares = proportional_shares(new[1], new[2])
+            new_shares = self.smoothing * self.shares + (1 - self.smoothing) * new_shares
+            new_sizes = batch_sizes(new_shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
+        else:
+            fixed, per = self._fit(new)
+            new_sizes = affine_batch_sizes(fixed, per, self.global_batch, self.min_batch, self.max_batch,
+                                           self.sit_out, self.granularity)
+            new_shares = new_sizes / self.global_batch
+        self.fixed_s, self.per_sample_s = fixed, per
+        self.decisions += 1
+        self._probe_sizes = None
+        now, after = predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, new_sizes)
+        if now - after <= max(self.deadband * now, self.significance * noise_s(new)):
+            if self.rule == "proportional" and self.windows_kept > 1:
+                self._held = [*self._held, window][-(self.windows_kept - 1):]
+            return False  # too small a gain to be worth a change, or one the noise alone could show
+        self._held = []
+        changed = not np.array_equal(new_sizes, self.sizes)
+        self.shares, self.sizes = np.asarray(new_shares, float), np.asarray(new_sizes, np.int64)
+        return changed
+
+    def _fit(self, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Affine fixed and per-sample costs per rank from the new window and the kept ones."""
+        kept = self._windows
+        if len(kept):
+            # A rank whose mean time moved at an unchanged mean batch size changed speed: forget its past.
+            prev = kept[-1]
+            n_new, mb_new, mt_new, _, _, vtt_new = _moments(new)
+            n_old, mb_old, mt_old, _, _, vtt_old = _moments(prev)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                se = np.sqrt(vtt_new / n_new ** 2 + vtt_old / n_old ** 2)  # of the difference of the two means
+                same_size = np.abs(mb_new - mb_old) <= np.maximum(0.5, 0.01 * mb_old)
+                moved = np.abs(mt_new - mt_old) > 0.02 * mt_old + 4 * se
+            kept = np.where((same_size & moved & (new[0] > 0))[None, None, :], 0.0, kept)
+        pooled = kept.sum(0) + new
+        prior = self.per_sample_s
+        _, c = fit_stats(pooled, prior)
+        # The fixed part follows the latest window (it is the part that changes when a delay comes or goes).
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mb, mt = new[1] / new[0], new[2] / new[0]
+            c = np.minimum(c, mt / mb)
+            if prior is not None and self.smoothing > 0:
+                s = self.smoothing
+                old_t = self.fixed_s + prior * mb
+                c = np.where(np.isfinite(prior), s * prior + (1 - s) * c, c)
+                mt = np.where(np.isfinite(old_t), s * old_t + (1 - s) * mt, mt)
+            a = np.maximum(mt - c * mb, 0.0)
+        seen = new[0] > 0
+        if prior is not None:  # ranks with no new observations (sat out) keep their last estimate
+            a, c = np.where(seen, a, self.fixed_s), np.where(seen, c, prior)
+        a, c = _fill_unknown(a), _fill_unknown(c)
+        self._windows = np.concatenate([kept, new[None]])[-self.windows_kept:]
+        return a, c
+
+    def state_dict(self) -> dict:
+        tolist = lambda v: None if v is None else np.asarray(v).tolist()  # noqa: E731
+        return {"shares": tolist(self.shares), "sizes": tolist(self.sizes), "fixed_s": tolist(self.fixed_s),
+                "per_sample_s": tolist(self.per_sample_s), "decisions": self.decisions,
+                "pending": [p.tolist() for p in self._pending], "windows": self._windows.tolist(),
+                "held": [h.tolist() for h in self._held]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.shares, self.sizes = np.asarray(d["shares"], float), np.asarray(d["sizes"], np.int64)
+        self.fixed_s = None if d["fixed_s"] is None else np.asarray(d["fixed_s"], float)
+        self.per_sample_s = None if d["per_sample_s"] is None else np.asarray(d["per_sample_s"], float)
+        self.decisions = int(d["decisions"])
+        self._pending = [np.asarray(p, float) for p in d.get("pending", [])]
+        self._held = [np.asarray(h, float) for h in d.get("held", [])]
+        w = np.asarray(d.get("windows", []), float)
+        self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
+        self._probe_sizes = None
+        if np.any(self.sizes > _as_bounds(self.world, self.max_batch, np.inf)):  # resumed under lower limits (a GPU probed again): same shares, new bounds
+            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
+
+
+def noise_s(stats: np.ndarray) -> float:
+    """Standard error (s) of the difference of two ranks' mean step times in a window [N_STATS, world], from the
+    noisiest rank's scatter about its fitted line (0 for a single step or exact times)."""
+    n, _, _, vbb, vbt, vtt = _moments(stats)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        resid = np.maximum(vtt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / (n - 1 - (vbb > 0))
+        se = np.where(n > 2, np.sqrt(resid / n), 0.0)
+    return float(np.sqrt(2) * np.nanmax(se, initial=0.0))
+
+
+def _fill_unknown(x: np.ndarray) -> np.ndarray:
+    """Ranks never observed (NaN) take the median of the others: a neutral guess until they are measured."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        x = np.where(bad, np.nanmedian(x) if (~bad).any() else 0.0, x)
+    return x

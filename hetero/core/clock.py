@@ -1,0 +1,63 @@
+"""The wait-free step clock: where a step's time went (its own compute, waiting in the all-reduce)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+class StepClock:
+    """Marks inside one training step: start, gradients ready (local compute done), backward returned, end.
+
+    compute_s = (ready - start - held_s) + (end - returned): the rank's own work; wait_s = returned - ready + held_s:
+    the last all-reduce, including waiting for slower ranks (held_s: collectives before `ready`, FSDP2's; else 0).
+    On CUDA the marks are events on the current (compute) stream, read when the step is over. `event` makes such
+    events (torch.cuda.Event; a test passes a fake to take the CUDA path on the CPU).
+    """
+
+    def __init__(self, device: torch.device, event: Callable[[], object] | None = None):
+        self.cuda = device.type == "cuda" or event is not None
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.marks: dict[str, float | torch.cuda.Event] = {}
+        self.device_waits = 0  # wait_device calls: the host waited for this rank's queued GPU work
+        self.held_s = 0.0  # s in collectives before `ready` (FSDP2's per-module ones): waiting, moved out of compute
+
+    def _record(self):
+        ev = self._event()
+        ev.record()  # on the current stream: this rank's compute, not NCCL's streams
+        return ev
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = self._record() if self.cuda else time.perf_counter()
+
+    def wait_device(self):
+        """Block the host until the GPU work queued so far on the compute stream is done; returns that event (None
+        on the CPU). Not torch.cuda.synchronize(): that also waits for every other stream, NCCL's included."""
+        self.device_waits += 1
+        if not self.cuda:
+            return None
+        ev = self._record()
+        ev.synchronize()
+        return ev
+
+    def host_elapsed_s(self) -> float:
+        """Seconds of this rank's compute since `start` (CPU: host time; CUDA: start to an event on the compute
+        stream, after waiting for it, so the host is also caught up with its GPU work)."""
+        if self.cuda:
+            return self.marks["start"].elapsed_time(self.wait_device()) / 1e3 - self.held_s
+        self.wait_device()
+        return time.perf_counter() - self.marks["start"] - self.held_s
+
+    def read(self) -> tuple[float, float]:
+        """(compute_s, wait_s) of the finished step."""
+        m = self.marks
+        if "ready" not in m:  # no gradient hook ran (e.g. a world of one without DDP): all compute
+            m["ready"] = m["returned"] = m["end"]
+        if self.cuda:
+            m["end"].synchronize()
+            span = lambda a, b: m[a].elapsed_time(m[b]) / 1e3
+        else:
+            span = lambda a, b: m[b] - m[a]
+        wait = span("ready", "returned") + self.held_s
+        return span("start", "ready") - self.held_s + span("returned", "end"), wait

@@ -1,0 +1,67 @@
+"""Per-rank index slices of one shared permutation per epoch, with the same number of steps on every rank.
+
+Step s of an epoch consumes the global-batch window perm[s*B:(s+1)*B]; rank r takes the part of that window at
+offset sum(b[:r]) of length b[r]. So slices are disjoint by construction, every rank runs floor(N/B) steps,
+each sample is seen at most once per epoch and only the N mod B < B samples past the last window are left out.
+Because the cut is made per step, batch sizes may change at any step (mid-epoch rebalancing) and the
+not-yet-seen part of the permutation is simply cut differently: nothing is repeated or dropped.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from .seeding import PERMUTATION, epoch_seed
+
+if TYPE_CHECKING:
+    from .balance import Balance
+
+
+class EpochPlan:
+    """The shared permutation of one epoch; identical on every rank (seeded by run seed and epoch)."""
+
+    def __init__(self, n_samples: int, global_batch: int, seed: int, epoch: int, device: torch.device | str = "cpu"):
+        if global_batch > n_samples:
+            raise ValueError(f"global batch {global_batch} exceeds the {n_samples} training samples")
+        self.global_batch = global_batch
+        self.steps = n_samples // global_batch
+        gen = torch.Generator().manual_seed(epoch_seed(seed, epoch, PERMUTATION))
+        # drawn on the CPU (the same permutation whatever the devices), then moved once per epoch: on a GPU the
+        # per-step slices are then device tensors, and no step waits for a host-to-device copy of its indices
+        self.perm = torch.randperm(n_samples, generator=gen).to(device)
+
+    def indices(self, step: int, sizes, rank: int) -> torch.Tensor:
+        """Sample indices of `rank` at `step`, given every rank's batch size for that step (sizes sum to B)."""
+        if not 0 <= step < self.steps:
+            raise IndexError(f"step {step} outside 0..{self.steps - 1}")
+        sizes = [int(b) for b in sizes]
+        if sum(sizes) != self.global_batch:
+            raise ValueError(f"batch sizes {sizes} do not sum to the global batch {self.global_batch}")
+        start = step * self.global_batch + sum(sizes[:rank])
+        return self.perm[start:start + sizes[rank]]
+
+
+class BalancedBatchSampler(torch.utils.data.Sampler):
+    """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan); with a
+    micro_batch m, the slice in k_r micro-batches of m (each rank's slice is a whole number of them)."""
+
+    def __init__(self, balance: "Balance", n_samples: int, seed: int):
+        self.balance, self.n_samples, self.seed = balance, n_samples, seed
+
+    def __len__(self) -> int:
+        """Batches per epoch; with micro-batches an estimate (the counts may change within the epoch)."""
+        bal = self.balance
+        return bal.steps_per_epoch * (int(bal.balancer.sizes[bal.rank]) // bal.micro_batch if bal.micro_batch else 1)
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
+        self.balance.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        bal, epoch = self.balance, self.balance.epoch
+        bal.start_epoch_iteration(epoch)  # refuses a second pass over steps already handed out
+        plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
+        m = bal.micro_batch
+        for step in range(plan.steps):
+            idx = plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()
+            yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

@@ -1,0 +1,266 @@
+"""Run folders into tidy pandas frames (one observation per row) and the grid's summary table.
+
+    frames = load("runs/demo")                     # a grid folder, or a list of run folders
+    table = summary_table(frames)                  # one row per (model, heterogeneity, scheme)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from ..core import safeio
+from ..core.emulator import parse_hetero
+from ..core.partition import SCHEMES
+from ..trainer.runlog import status as run_status
+from .launch import from_root
+
+RUN_KEYS = ["run", "model", "hetero", "setting", "scheme", "scheme_label", "seed"]
+
+
+def scheme_label(scheme: str) -> str:
+    """The scheme's name in tables and figures ("edp" -> "EDP-SGD"); an unknown one as given."""
+    return SCHEMES[scheme].label if scheme in SCHEMES else scheme
+
+
+def hetero_label(spec: str) -> str:
+    """A heterogeneity spec in words: "1:delay=0.01" -> "rank 1 +10 ms/step", "1:slowdown=3" -> "rank 1 3x slower"."""
+    if not spec:
+        return "homogeneous"
+    try:
+        ranks = parse_hetero(spec)
+    except ValueError:
+        return spec
+    words = []
+    for rank, effects in sorted(ranks.items()):
+        for e in effects:
+            what = {"delay": lambda p: f"+{_ms(p[0])}/step", "exp": lambda p: f"+random {_ms(p[0])}/step (exp.)",
+                    "gamma": lambda p: f"+random {_ms(p[0] * p[1])}/step (gamma)",
+                    "slowdown": lambda p: f"{p[0]:g}\u00d7 slower"}[e.kind](e.params)
+            if e.window is not None:
+                kind, a, b = e.window
+                what += f" (every {a} steps, {b} on)" if kind == "cycle" else \
+                    f" ({kind}s {a}\u2013{'' if b is None else b})"
+            words.append(f"rank {rank} {what}")
+    return ", ".join(words)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:g} ms"
+
+
+def find_runs(source: str | Path | Sequence[str | Path]) -> list[Path]:
+    """The run folders: a grid folder's subfolders holding config.json, or the given folders themselves."""
+    if isinstance(source, (str, Path)):
+        source = from_root(source)
+        if (source / "config.json").exists():
+            return [source]
+        found = sorted(p.parent for p in source.glob("*/config.json"))
+        if not found:
+            raise FileNotFoundError(f"{source} holds no run folders (no */config.json)")
+        return found
+    return [from_root(p) for p in source]
+
+
+@dataclass
+class Frames:
+    runs: pd.DataFrame     # one row per run: identity, status, summary numbers
+    epochs: pd.DataFrame   # one row per run and epoch (epochs.csv)
+    ranks: pd.DataFrame    # one row per run, epoch and rank (ranks.csv)
+    steps: pd.DataFrame    # one row per run, epoch, step and rank (steps.csv)
+
+
+def load(source: str | Path | Sequence[str | Path]) -> Frames:
+    """Every run's tables with its identity columns (RUN_KEYS) in front; failed or unfinished runs are kept in
+    `runs` (status) but left out of the other frames."""
+    runs, tables = [], {"epochs": [], "ranks": [], "steps": []}
+    for path in find_runs(source):
+        meta = json.loads((path / "config.json").read_text())
+        cfg = meta["config"]
+        summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
+        ident = {"run": path.name, "model": cfg["model"], "hetero": cfg["hetero"],
+                 "setting": f"{cfg['model']}, {hetero_label(cfg['hetero'])}", "scheme": cfg["scheme"],
+                 "scheme_label": scheme_label(cfg["scheme"]), "seed": cfg["seed"]}
+        status = run_status(path)  # a dead job's "running" reads "interrupted" (its folder lock is free)
+        runs.append({**ident, "status": status, "error": summary.get("error", ""),
+                     "world_size": meta.get("world_size"), "global_batch": cfg["global_batch"],
+                     "micro_batch": cfg.get("micro_batch", 0),
+                     "epochs": cfg["epochs"], "epochs_completed": summary.get("epochs_completed", 0),
+                     "train_time_s": summary.get("train_time_s"), "final_test_top1": summary.get("final_test_top1"),
+                     "final_test_loss": summary.get("final_test_loss"),
+                     "mean_balance_eff": summary.get("mean_balance_eff"), "run_dir": str(path)})
+        if status != "completed":
+            continue
+        for name in tables:
+            df = pd.read_csv(path / f"{name}.csv")
+            tables[name].append(df.assign(**ident)[RUN_KEYS + list(df.columns)])
+    runs += _unlaunched(source, {r["run"] for r in runs})
+    frames = [pd.DataFrame(runs)] + [pd.concat(t, ignore_index=True) if t else pd.DataFrame(columns=RUN_KEYS)
+                                     for t in tables.values()]
+    return Frames(*(_in_order(df) for df in frames))
+
+
+def _in_order(df: pd.DataFrame) -> pd.DataFrame:
+    """Sorted by model, heterogeneity, scheme (Sync-SGD, DP-SGD, EDP-SGD, others) and seed; stable within a run."""
+    if df.empty:
+        return df
+    rank = df["scheme"].map(lambda s: list(SCHEMES).index(s) if s in SCHEMES else len(SCHEMES))
+    keys = df[["model", "hetero", "seed"]].assign(scheme_rank=rank)
+    order = keys.sort_values(["model", "hetero", "scheme_rank", "seed"], kind="stable").index
+    return df.loc[order].reset_index(drop=True)
+
+
+def _unlaunched(source, seen: set[str]) -> list[dict]:
+    """Runs a grid recorded (grid.csv) that left no run folder, e.g. failed before training started."""
+    if not isinstance(source, (str, Path)) or not (from_root(source) / "grid.csv").exists():
+        return []
+    table = pd.read_csv(from_root(source) / "grid.csv", keep_default_na=False)
+    return [{"run": r["run"], "model": r["model"], "hetero": r["hetero"],
+             "setting": f"{r['model']}, {hetero_label(r['hetero'])}", "scheme": r["scheme"],
+             "scheme_label": scheme_label(r["scheme"]), "seed": r["seed"], "status": r["status"],
+             "error": r["error"]} for _, r in table.iterrows() if r["run"] not in seen]
+
+
+def completed(frames: Frames) -> pd.DataFrame:
+    return frames.runs[frames.runs["status"] == "completed"]
+
+
+def time_to_target(epochs: pd.DataFrame, target: float) -> pd.Series:
+    """Per run: training wall time (s) at the end of the first epoch with test top-1 >= target (NaN if never)."""
+    hit = epochs[epochs["test_top1"] >= target]
+    return hit.groupby("run")["train_time_s"].min().reindex(epochs["run"].unique())
+
+
+def auto_target(runs: pd.DataFrame) -> float:
+    """A top-1 every scheme reaches on average: 95% of the worst scheme's mean final top-1, floored to a percent."""
+    worst = runs.groupby("scheme")["final_test_top1"].mean().min()
+    return float(np.floor(95 * worst) / 100)
+
+
+def summary_table(frames: Frames, target_top1: float = 0.0) -> pd.DataFrame:
+    """One row per (model, hetero, scheme) over completed runs (seeds): times in s, accuracies as fractions.
+
+    speedup_vs_sync = Sync-SGD's mean training time / this scheme's (same model and heterogeneity);
+    target_top1 <= 0 picks a target per setting (auto_target)."""
+    runs = completed(frames)
+    rows = []
+    for (model, hetero), setting in runs.groupby(["model", "hetero"], sort=False):
+        target = target_top1 if target_top1 > 0 else auto_target(setting)
+        sync_s = setting.loc[setting["scheme"] == "sync", "train_time_s"].mean()
+        for scheme, g in setting.groupby("scheme", sort=False):
+            ttt = time_to_target(frames.epochs[frames.epochs["run"].isin(g["run"])], target)
+            rows.append({"model": model, "hetero": hetero, "heterogeneity": hetero_label(hetero), "scheme": scheme,
+                         "scheme_label": scheme_label(scheme), "seeds": len(g),
+                         "train_time_s_mean": g["train_time_s"].mean(), "train_time_s_sd": g["train_time_s"].std(),
+                         "speedup_vs_sync": sync_s / g["train_time_s"].mean(), "target_top1": target,
+                         "time_to_target_s_mean": ttt.mean(), "reached_target": int(ttt.notna().sum()),
+                         "final_test_top1_mean": g["final_test_top1"].mean(),
+                         "final_test_top1_sd": g["final_test_top1"].std(),
+                         "balance_eff_mean": g["mean_balance_eff"].mean()})
+    return pd.DataFrame(rows)
+
+
+def format_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """The summary table for reading: units in the headers, spread over seeds as +/- one standard deviation."""
+    def pm(mean: float, sd: float, fmt: str) -> str:
+        return format(mean, fmt) + ("" if np.isnan(sd) else f" \u00b1 {format(sd, fmt)}")
+    out = pd.DataFrame({
+        "model": table["model"], "heterogeneity": table["heterogeneity"], "scheme": table["scheme_label"],
+        "seeds": table["seeds"],
+        "training time (s)": [pm(m, s, ".1f") for m, s in zip(table["train_time_s_mean"], table["train_time_s_sd"])],
+        "speedup vs Sync-SGD": table["speedup_vs_sync"].map(lambda v: "" if np.isnan(v) else f"{v:.2f}\u00d7"),
+        "time to target (s)": [("not reached" if n == 0 else f"{t:.1f}" + (f" ({n}/{k} seeds)" if n < k else ""))
+                               + f" [top-1 \u2265 {100 * g:.0f}%]" for t, n, k, g in
+                               zip(table["time_to_target_s_mean"], table["reached_target"], table["seeds"],
+                                   table["target_top1"])],
+        "final test top-1 (%)": [pm(100 * m, 100 * s, ".1f")
+                                 for m, s in zip(table["final_test_top1_mean"], table["final_test_top1_sd"])],
+        "balance efficiency": table["balance_eff_mean"].map(lambda v: f"{v:.2f}"),
+    })
+    return out
+
+
+def time_breakdown(frames: Frames) -> pd.DataFrame:
+    """Per (setting, scheme, rank), mean over seeds of the run's total seconds in each part: the rank's own
+    compute, the emulated slowdown, waiting for the other ranks, and evaluation (tidy: one part per row)."""
+    r = frames.ranks.groupby(RUN_KEYS + ["rank"], sort=False, as_index=False)[["compute_s", "delay_s", "wait_s"]].sum()
+    ev = frames.epochs.groupby("run")["eval_time_s"].sum()
+    r["own compute"] = r["compute_s"] - r["delay_s"]
+    r["emulated slowdown"] = r["delay_s"]
+    r["waiting for other ranks"] = r["wait_s"]
+    r["evaluation"] = r["run"].map(ev)
+    parts = ["own compute", "emulated slowdown", "waiting for other ranks", "evaluation"]
+    long = r.melt(id_vars=RUN_KEYS + ["rank"], value_vars=parts, var_name="part", value_name="seconds")
+    keys = ["model", "hetero", "setting", "scheme", "scheme_label", "rank", "part"]
+    out = long.groupby(keys, sort=False, as_index=False)["seconds"].mean()
+    out["part"] = pd.Categorical(out["part"], parts, ordered=True)
+    return out
+
+
+def micro_batches(frames: Frames) -> pd.DataFrame:
+    """Per run, epoch and rank of the runs with --micro-batch: the share beside the micro-batches per step (the
+    epoch's mean and its last step's); empty when no run used micro-batches."""
+    m = frames.runs.set_index("run")["micro_batch"] if "micro_batch" in frames.runs else pd.Series(dtype=int)
+    r = frames.ranks[frames.ranks["run"].map(m).fillna(0) > 0] if len(frames.ranks) else frames.ranks
+    cols = RUN_KEYS + ["epoch", "rank", "share", "micro_batch", "micro_batches_mean", "micro_batches_last"]
+    if r.empty:
+        return pd.DataFrame(columns=cols)
+    r = r.assign(micro_batch=r["run"].map(m).astype(int))
+    r = r.assign(micro_batches_mean=r["samples"] / r["steps"] / r["micro_batch"],
+                 micro_batches_last=(r["batch_size"] // r["micro_batch"]).astype(int))
+    return r[cols].reset_index(drop=True)
+
+
+def describe(frames: Frames) -> str:
+    """A Markdown paragraph: what the runs are, and which did not complete (with their errors)."""
+    runs, done = frames.runs, completed(frames)
+
+    def values(col: str) -> str:
+        return ", ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in dict.fromkeys(runs[col].dropna()))
+    text = (f"**{len(runs)} runs**, {len(done)} completed: model {values('model')}; scheme "
+            f"{', '.join(scheme_label(s) for s in dict.fromkeys(runs['scheme']))}; heterogeneity "
+            f"{'; '.join(hetero_label(h) for h in dict.fromkeys(runs['hetero']))}; seeds {values('seed')}; "
+            f"{values('world_size')} ranks; {values('epochs')} epochs of global batch {values('global_batch')}.")
+    missing = runs[runs["status"] != "completed"]
+    if len(missing):
+        text += "\n\nLeft out (not completed):\n\n" + "\n".join(
+            f"* `{r.run}`: {r.status}" + (f", {r.error}" if r.error else "") for r in missing.itertuples())
+    return text
+
+
+def save_table(table: pd.DataFrame, path: str | Path) -> None:
+    """A table as CSV, written through safeio (a link planted at it is replaced, its target untouched)."""
+    safeio.write_text(Path(path), table.to_csv(index=False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hetero.lab.analysis --check GRID_DIR OUT_DIR [RUN_DIR ...]`: what make report checks before papermill
+    runs the report: runs to report on, and no symbolic link where the report is written. One line, exit 2."""
+    import sys
+
+    from ..trainer.cli import CliParser
+    from .gridplan import REPORT_FILES, GridError, no_links
+
+    p = CliParser(prog="python -m hetero.lab.analysis", description="Check a report's inputs (make report).")
+    p.add_argument("--check", action="store_true", required=True, help="check only (the only mode)")
+    p.add_argument("grid_dir")
+    p.add_argument("out_dir")
+    p.add_argument("run_dirs", nargs="*")
+    ns = p.parse_args(argv)
+    try:
+        runs = find_runs(ns.run_dirs or ns.grid_dir)
+        if missing := [r for r in runs if not (r / "config.json").is_file()]:
+            raise FileNotFoundError(f"{missing[0]} is not a run folder (no config.json)")
+        no_links(from_root(ns.out_dir), REPORT_FILES)
+    except (FileNotFoundError, GridError) as e:
+        print(f"hetero: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

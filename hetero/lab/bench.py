@@ -1,0 +1,282 @@
+"""The benchmark suite on CPU ranks, measured side by side in one run (README: benchmarks, for the method):
+balance efficiency against each run's own ideal, the trainer's overhead over a plain DDP loop, the API's FSDP2
+step over plain FSDP2's (docs/fsdp.md), the time of one rebalancing decision for 2 to 4096 workers, and the
+Hugging Face Trainer with hetero over the plain one (docs/huggingface.md).
+
+    make bench [QUICK=1]             # = python -m hetero.lab.bench [--quick]; runs/bench/<time>/bench.json, table.md
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
+from pathlib import Path
+
+from ..core import safeio
+from ..core.partition import SCHEMES
+from ..trainer.cli import CliParser
+from . import efficiency, fsdp_overhead, hfbench, overhead, simbench
+from .launch import ROOT
+from .measure import LaunchError, markdown_table, run_meta
+
+PARTS = ("balance", "overhead", "fsdp", "balancer", "hf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suite:
+    """What one benchmark run measures (the full suite; --quick shrinks it)."""
+    worlds: tuple[int, ...] = (2, 4)            # CPU ranks, gloo, one torch thread each
+    slowdowns: tuple[float, ...] = (2.0, 4.0)   # the last rank computes this many times slower
+    delays: tuple[float, ...] = (2.0,)          # or sleeps this many equal-share steps per step (constant delay)
+    schemes: tuple[str, ...] = tuple(SCHEMES)
+    epochs: int = 6
+    steady_from: int = 3                        # first steady-state epoch (1-based)
+    batch_per_rank: int = 128                   # global batch = this x ranks: steps long against host noise
+    steps: int = 16                             # steps per epoch (synthetic samples = steps x global batch)
+    repeats: int = 3                            # runs of every balance row (the spread is their range)
+    overhead_launches: int = 2
+    overhead_epochs: int = 12                   # trainer and plain epochs per launch, in turn; the first warm up
+    workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
+    hf_runs: int = 8                            # HF Trainer runs with hetero and without, in turn
+    hf_steps: int = 40                          # optimizer steps per HF Trainer run
+    pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
+    micro_batch: int = 0                        # the trainer's --micro-batch (0: per-rank batch sizes)
+    parts: tuple[str, ...] = PARTS
+
+    def global_batch(self, world: int) -> int:
+        return self.batch_per_rank * world
+
+    def subset(self, world: int) -> int:
+        return self.steps * self.global_batch(world)
+
+    def __post_init__(self):
+        if not 1 <= self.steady_from <= self.epochs or self.overhead_epochs < 2:
+            raise ValueError("need 1 <= steady_from <= epochs and overhead_epochs >= 2")
+        if self.batch_per_rank < 4 or self.steps < 1 or self.repeats < 1 or self.overhead_launches < 1:
+            raise ValueError("need batch_per_rank >= 4, steps >= 1, repeats >= 1 and overhead_launches >= 1")
+        if self.hf_runs < 1 or self.hf_steps < hfbench.WARMUP + 2:
+            raise ValueError(f"need hf_runs >= 1 and hf_steps >= {hfbench.WARMUP + 2}")
+        if not self.worlds or min(self.worlds) < 2 or not (self.slowdowns or self.delays):
+            raise ValueError("need worlds of at least 2 ranks and a slowdown or a delay")
+        if min(self.slowdowns, default=1) < 1 or min(self.delays, default=1) <= 0:
+            raise ValueError("need slowdowns of at least 1 and delays above 0")
+        if bad := [s for s in self.schemes if s not in SCHEMES]:
+            raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
+        if self.micro_batch < 0 or (self.micro_batch and self.batch_per_rank % self.micro_batch):
+            raise ValueError("need micro_batch >= 0 dividing batch_per_rank")
+        if bad := [p for p in self.parts if p not in PARTS]:
+            raise ValueError(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
+        if self.pin and "balance" in self.parts and max(self.worlds) > 2 * len(os.sched_getaffinity(0)):
+            raise ValueError(f"{max(self.worlds)} pinned ranks put more than 2 on a core, beyond the shared-core cost "
+                             f"model (hetero.lab.coupled): use fewer ranks or --no-pin")
+
+
+QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
+             overhead_epochs=8, hf_runs=2, hf_steps=20)
+
+
+# -- the report -----------------------------------------------------------------------------------------------
+def checks(res: dict) -> list[dict]:
+    """The suite's targets (README: benchmarks), each with the measured value and whether it passes; balance rows
+    by their median over the repeats."""
+    out = []
+    summ = res.get("balance_summary", [])
+    for world in sorted({r["world"] for r in summ}):
+        if dp := [r["over_ideal"] for r in summ
+                  if r["scheme"] in ("dp", "edp") and r["world"] == world and r.get("kind", "slowdown") == "slowdown"]:
+            out.append({"target": f"dp/edp steady epoch time <= 1.10 x ideal, {world} ranks, slowdowns", "value": max(dp),
+                        "pass": max(dp) <= 1.10})
+    if sy := [r["over_sync_bound"] for r in summ if r["scheme"] == "sync"]:
+        worst = max(sy, key=lambda v: abs(v - 1))
+        out.append({"target": "sync epoch time within 10% of the slowest-rank bound", "value": worst,
+                    "pass": abs(worst - 1) <= 0.10})
+    if sim := [r for r in summ if r.get("simulated") is not None]:
+        worst = max(sim, key=lambda r: abs(r["simulated"] - r["over_ideal"]))
+        out.append({"target": "simulated epoch / ideal within 0.03 of the measured, every row (worst difference)",
+                    "value": worst["simulated"] - worst["over_ideal"],
+                    "pass": abs(worst["simulated"] - worst["over_ideal"]) <= 0.03})
+    if cmp := res.get("affine_vs_dp"):
+        worst = max(cmp, key=lambda r: r["affine"] - r["dp"] - r["dp_spread"])
+        out.append({"target": "affine <= dp + dp's run-to-run spread, every row (worst margin)",
+                    "value": worst["affine"] - worst["dp"] - worst["dp_spread"], "pass": all(r["within"] for r in cmp)})
+        if delay := [r for r in cmp if r["kind"] == "delay"]:
+            out.append({"target": "affine ahead of dp in the constant-delay rows (largest affine - dp)",
+                        "value": max(r["affine"] - r["dp"] for r in delay), "pass": all(r["ahead"] for r in delay)})
+    if ov := res.get("overhead"):
+        out.append({"target": "trainer step <= 1.03 x plain DDP step", "value": ov["ratio"], "pass": ov["ratio"] <= 1.03})
+        out.append({"target": "api step <= 1.01 x plain DDP step (same DataLoader)", "value": ov["api_ratio"],
+                    "pass": ov["api_ratio"] <= 1.01})
+    if fs := res.get("fsdp_overhead"):
+        out.append({"target": "api step <= 1.01 x plain FSDP2 step (same DataLoader)", "value": fs["ratio"],
+                    "pass": fs["ratio"] <= 1.01})
+    if hf := res.get("hf"):  # a figure: the target is stated, the suite's tests do not gate on it
+        out.append({"target": "hf Trainer step with hetero <= 1.01 x plain Trainer step", "value": hf["ratio"],
+                    "pass": hf["ratio"] <= 1.01})
+    for r in res.get("balancer", []):
+        if r["workers"] == 4096:
+            out.append({"target": f"one {r['rule']} decision for 4096 workers < 10 ms", "value": r["decision_ms"],
+                        "pass": r["decision_ms"] < 10})
+    return out
+
+
+def _simulated(row: dict) -> str:
+    """The replays' epoch / ideal (median over the repeats of each run's mean over seeds) and the seeds' spread
+    ("" for a row without a replay)."""
+    return f"{row['simulated']:.3f} ± {row['simulated_sd']:.3f}" if row.get("simulated") is not None else ""
+
+
+def table(res: dict) -> str:
+    """The markdown report of one benchmark run."""
+    m = res["meta"]
+    lines = [f"# hetero benchmarks, {m['date']}, {m['host']} ({m['cpu']}, {m['cores']} cores, load average "
+             f"{m['load_avg_start'][0]:.1f} at start, {m['load_avg_end'][0]:.1f} at end)", "", f"`{m['command']}`", ""]
+    if summ := res.get("balance_summary"):
+        n = max(r["repeats"] for r in summ)
+        lines += [f"## Balance efficiency (steady-state epoch time over ideal = steps x (T* + all-reduce); median of "
+                  f"{n} run{'s' * (n > 1)}, [min-max])", ""]
+        lines += markdown_table(
+            ["ranks", "B", "last rank", "scheme", "/ ideal", "simulated", "/ sync bound", "speedup vs sync", "predicted", "jitter",
+             "misallocation", "size changes", "shares"],
+            [[r["world"], r["global_batch"], r["effect"], r["scheme"],
+              f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
+              _simulated(r), f"{r['over_sync_bound']:.3f}", "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
+              f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", f"{r['misallocation']:.3f}",
+              f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])]
+             for r in summ])
+        pinned = sorted({(r["world"], r["affinity"]) for r in summ if r["affinity"]})
+        lines += [""] + [f"{w} ranks pinned to cores {a} (--affinity); the cost model shares each core between its "
+                         f"ranks (hetero.lab.coupled)." for w, a in pinned] + [""]
+    if cmp := res.get("affine_vs_dp"):
+        lines += ["## affine against dp (median epoch / ideal; spread = max - min over the repeats)", ""]
+        lines += markdown_table(
+            ["ranks", "last rank", "dp", "dp spread", "affine", "affine spread", "affine - dp", "within dp's spread"],
+            [[r["world"], r["effect"], f"{r['dp']:.3f}", f"{r['dp_spread']:.3f}", f"{r['affine']:.3f}",
+              f"{r['affine_spread']:.3f}", f"{r['affine'] - r['dp']:+.3f}", "yes" if r["within"] else "no"]
+             for r in cmp]) + [""]
+    if ov := res.get("overhead"):
+        lines += ["## Overhead (no heterogeneity, 2 ranks)", "",
+                  f"trainer {1e3 * ov['trainer_step_s']:.2f} ms/step, plain DDP {1e3 * ov['plain_step_s']:.2f} "
+                  f"ms/step: ratio {ov['ratio']:.3f} (median of {len(ov['pair_ratios'])} back-to-back epoch pairs; "
+                  f"of medians {ov['ratio_of_medians']:.3f}, of minima {ov['ratio_of_minima']:.3f}), "
+                  f"{ov['extra_ms_per_step']:+.2f} ms per step", "",
+                  f"API (hetero.Balance, edp, rebalancing every {ov['api_rebalance_every']} steps) "
+                  f"{1e3 * ov['api_step_s']:.2f} ms/step, plain DDP through the same DataLoader "
+                  f"{1e3 * ov['ddp_loader_step_s']:.2f} ms/step: ratio {ov['api_ratio']:.3f} (median of "
+                  f"{len(ov['api_pair_ratios'])} pairs; of medians {ov['api_ratio_of_medians']:.3f}), "
+                  f"{ov['api_extra_ms_per_step']:+.2f} ms per step", ""]
+    if fs := res.get("fsdp_overhead"):
+        lines += ["## FSDP2 overhead (no heterogeneity, 2 ranks, docs/fsdp.md)", "",
+                  f"API (hetero.Balance on an FSDP2 root, edp, rebalancing every {fs['rebalance_every']} steps) "
+                  f"{1e3 * fs['api_step_s']:.2f} ms/step, plain FSDP2 through the same DataLoader settings "
+                  f"{1e3 * fs['plain_step_s']:.2f} ms/step: ratio {fs['ratio']:.3f} (median of "
+                  f"{len(fs['pair_ratios'])} back-to-back step pairs; of medians {fs['ratio_of_medians']:.3f}), "
+                  f"{fs['extra_ms_per_step']:+.2f} ms per step", ""]
+    if hf := res.get("hf"):
+        lines += ["## Hugging Face Trainer (no heterogeneity, 2 ranks, tiny GPT-2)", "",
+                  f"HeteroTrainer (edp, rebalancing every {hf['rebalance_every']} steps) "
+                  f"{1e3 * hf['hetero_step_s']:.2f} ms/step, transformers.Trainer {1e3 * hf['plain_step_s']:.2f} ms/step: ratio {hf['ratio']:.3f} "
+                  f"(median of {len(hf['pair_ratios'])} back-to-back run pairs of {hf['steps']} steps; of medians "
+                  f"{hf['ratio_of_medians']:.3f}), {hf['extra_ms_per_step']:+.2f} ms per step", ""]
+    if res.get("balancer"):
+        rules = ("proportional", "affine")
+        lines += ["## One rebalancing decision (median ms)", ""] + markdown_table(
+            ["workers"] + [str(r["workers"]) for r in res["balancer"] if r["rule"] == rules[0]],
+            [[rule] + [f"{r['decision_ms']:.2f}" for r in res["balancer"] if r["rule"] == rule] for rule in rules])
+        lines.append("")
+    if res.get("notes"):
+        lines += ["## Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
+    if res.get("checks"):
+        lines += ["## Targets", ""] + [f"- {'PASS' if c['pass'] else 'FAIL'} {c['target']}: {c['value']:.3f}"
+                                       for c in res["checks"]]
+    return "\n".join(lines) + "\n"
+
+
+def run(suite: Suite, out: Path, command: str) -> dict:
+    """Every part of the suite, then bench.json and table.md in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"meta": {**run_meta(command), "suite": asdict(suite)}, "notes": []}
+    t0 = time.perf_counter()
+    if "balance" in suite.parts:
+        calib = efficiency.calibrate(suite.global_batch(max(suite.worlds)))
+        res["calibration"] = {"fixed_s": calib[0], "per_sample_s": calib[1]}
+        res["balance"] = efficiency.balance(suite, out, calib, res["notes"])
+        res["balance_summary"] = efficiency.summary(res["balance"])
+        res["affine_vs_dp"] = efficiency.affine_vs_dp(res["balance_summary"])
+    if "overhead" in suite.parts:
+        res["overhead"] = overhead.measure(out, suite.overhead_launches, suite.subset(2), suite.global_batch(2),
+                                           suite.overhead_epochs, res["notes"])
+    if "fsdp" in suite.parts:
+        res["fsdp_overhead"] = fsdp_overhead.measure(out, suite.subset(2), suite.global_batch(2),
+                                                     suite.overhead_epochs, res["notes"])
+    if "balancer" in suite.parts:
+        print("bench: balancer decisions", flush=True)
+        res["balancer"] = simbench.balancer_cost(suite.workers)
+    if "hf" in suite.parts and (hf := hfbench.measure(out, suite.hf_runs, suite.hf_steps, res["notes"])):
+        res["hf"] = hf
+    res["meta"].update(wall_s=time.perf_counter() - t0, load_avg_end=os.getloadavg())
+    res["checks"] = checks(res)
+    safeio.write_text(out / "bench.json", json.dumps(res, indent=1))  # never through a planted link
+    safeio.write_text(out / "table.md", table(res))
+    return res
+
+
+def listed(kind: type):
+    """An argparse type for comma-separated values of `kind`: "2,4" -> (2, 4)."""
+    def parse(text: str) -> tuple:
+        return tuple(kind(v) for v in text.split(",") if v)
+    parse.__name__ = f"comma-separated {kind.__name__}"
+    return parse
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = CliParser(prog="python -m hetero.lab.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="2 ranks, sync/dp/edp, slowdowns only, one run each, shorter runs, one overhead launch")
+    p.add_argument("--out", default="", help="output folder (default runs/bench/<time>)")
+    p.add_argument("--worlds", type=listed(int), help="rank counts, e.g. 2,4")
+    p.add_argument("--slowdowns", type=listed(float), help="e.g. 2,4")
+    p.add_argument("--schemes", type=listed(str), help="e.g. sync,dp,edp,affine")
+    p.add_argument("--parts", type=listed(str), help=",".join(PARTS))
+    p.add_argument("--epochs", type=int)
+    p.add_argument("--steady-from", type=int)
+    p.add_argument("--batch-per-rank", type=int, help="global batch = this x ranks")
+    p.add_argument("--steps", type=int, help="steps per epoch")
+    p.add_argument("--delays", type=listed(float), help="constant-delay rows, in equal-share steps, e.g. 2")
+    p.add_argument("--repeats", type=int, help="runs of every balance row")
+    p.add_argument("--overhead-launches", type=int)
+    p.add_argument("--overhead-epochs", type=int)
+    p.add_argument("--micro-batch", type=int, help="the trainer's --micro-batch in the balance part (0: off)")
+    p.add_argument("--hf-runs", type=int, help="HF Trainer runs of each kind (the hf part)")
+    p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run")
+    p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
+    p.add_argument("--no-pin", dest="pin", action="store_false", default=None,
+                   help="leave ranks unpinned even when there are more ranks than cores")
+    ns = p.parse_args(argv)
+    over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
+                                        "batch_per_rank", "steps", "repeats", "overhead_launches", "overhead_epochs",
+                                        "pin", "delays", "micro_batch", "hf_runs", "hf_steps")
+            if getattr(ns, k) is not None}
+    if ns.max_workers:
+        over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)
+    try:
+        base = Suite(**QUICK) if ns.quick else Suite()
+        if "epochs" in over and "steady_from" not in over:
+            over["steady_from"] = min(base.steady_from, over["epochs"])
+        suite = replace(base, **over)
+    except ValueError as e:
+        p.error(str(e))
+    out = Path(ns.out or ROOT / "runs" / "bench" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    try:
+        res = run(suite, out, "python -m hetero.lab.bench " + " ".join(sys.argv[1:] if argv is None else argv))
+    except LaunchError as e:
+        print(f"bench: error: {e}", file=sys.stderr)
+        return 1
+    print(table(res), end="")
+    print(f"bench: {out / 'bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

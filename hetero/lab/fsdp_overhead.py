@@ -1,0 +1,116 @@
+"""The API's step over plain FSDP2's (part `fsdp` of `make bench`): 2 CPU ranks, no heterogeneity, the same model
+(an MLP stack, each block and the root fully_shard'ed), data, optimiser and DataLoader settings, in the same
+processes, taking turns step by step (which goes first alternates), so load from elsewhere falls on both alike.
+
+    torchrun --standalone --nproc-per-node=2 -m hetero.lab.fsdp_overhead --out FILE --subset N --global-batch B --epochs E
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+
+from ..core import safeio
+from .launch import clean_env, torchrun_cmd
+from .measure import launch, loop_pair_main
+
+REBALANCE_EVERY = 10  # as the DDP API pair (overhead.py): the decisions' gathers are part of the cost
+DIM, BLOCKS = 128, 4
+
+
+def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0) -> None:
+    """Run by torchrun: hetero's FSDP2 loop and plain FSDP2's, interleaved step by step; rank 0 writes their epoch
+    times (s) to `out` as JSON."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from ..core.balance import Balance
+    from ..trainer.dist import setup, teardown
+
+    torch.set_num_threads(1)
+    world = setup(["cpu"] * int(os.environ.get("WORLD_SIZE", 1)), "gloo", 300)
+    ok = False
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        ds = TensorDataset(torch.randn(subset, DIM, generator=gen), torch.randint(0, 10, (subset,), generator=gen))
+
+        def model() -> nn.Module:
+            torch.manual_seed(seed)
+            m = nn.Sequential(*[nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+                                for _ in range(BLOCKS)], nn.Linear(DIM, 10))
+            for block in m[:BLOCKS]:
+                fully_shard(block)
+            return fully_shard(m)
+
+        loops = {}
+        for kind in ("api", "plain"):
+            m = model()
+            if kind == "api":
+                bal = Balance(global_batch=global_batch, scheme="edp", rebalance_every=REBALANCE_EVERY, seed=seed)
+                bal.attach(m)
+                loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds), seed))
+            else:
+                sampler = DistributedSampler(ds, shuffle=True, seed=seed, drop_last=True)
+                loader = DataLoader(ds, batch_size=global_batch // world.size, sampler=sampler, drop_last=True)
+            loops[kind] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), loader)
+
+        def epoch_s(epoch: int) -> dict[str, list[float]]:
+            """Each loop's step times (s) in one epoch, the two loops taking turns step by step."""
+            bal.set_epoch(epoch)
+            loops["plain"][2].sampler.set_epoch(epoch)
+            its = {k: iter(loops[k][2]) for k in loops}
+            spent = {k: [] for k in loops}
+            for step in range(len(loops["api"][2])):
+                for kind in (("api", "plain") if step % 2 else ("plain", "api")):
+                    m, o, _ = loops[kind]
+                    t0 = time.perf_counter()
+                    x, y = next(its[kind])
+                    with bal.step(m) if kind == "api" else nullcontext():
+                        F.cross_entropy(m(x), y).backward()
+                        o.step()
+                        o.zero_grad(set_to_none=True)
+                    spent[kind].append(time.perf_counter() - t0)
+            return spent
+
+        times = [epoch_s(epoch) for epoch in range(epochs)]
+        if world.is_main:
+            safeio.write_text(out, json.dumps({"step_s": times, "steps": len(loops["api"][2]), "world": world.size,
+                                             "api_sizes": [d.sizes for d in bal.decisions]}))
+        ok = True
+    finally:
+        teardown(ok)
+
+
+def measure(out: Path, subset: int, global_batch: int, epochs: int, notes: list[str]) -> dict:
+    """The API's FSDP2 step time over plain FSDP2's, 2 ranks: the median ratio of back-to-back steps after the first
+    epoch (slow changes of load cancel), and the ratio of the median step times."""
+    res = out / "runs" / "fsdp-overhead.json"
+    res.parent.mkdir(parents=True, exist_ok=True)
+    print("bench: fsdp-overhead", flush=True)
+    launch(torchrun_cmd(2, ["--out", str(res), "--subset", str(subset), "--global-batch", str(global_batch),
+                            "--epochs", str(epochs)], "hetero.lab.fsdp_overhead"),
+           out / "logs" / "fsdp-overhead.log", 900, clean_env(threads="1"), done=res, notes=notes)
+    d = json.loads(res.read_text())
+    per = {k: np.concatenate([e[k] for e in d["step_s"][1:]]) for k in ("api", "plain")}
+    ratios = (per["api"] / per["plain"]).tolist()
+    return {"world": 2, "global_batch": global_batch, "ratio": float(np.median(ratios)), "pair_ratios": ratios,
+            "ratio_of_medians": float(np.median(per["api"]) / np.median(per["plain"])),
+            "api_step_s": float(np.median(per["api"])), "plain_step_s": float(np.median(per["plain"])),
+            "extra_ms_per_step": 1e3 * float(np.median(per["api"]) - np.median(per["plain"])),
+            "rebalance_every": REBALANCE_EVERY}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return loop_pair_main("hetero.lab.fsdp_overhead", __doc__, worker, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Starting trainer runs from Python (grids, benchmarks, the GPU check): the torchrun command line, a clean
+environment, and a launch that a timeout or an interrupt stops as a whole.
+
+Each launch carries a marker of its own in its environment (HETERO_LAUNCH_ID), which torchrun passes on to its
+workers. torchrun starts workers in sessions of their own, so signalling torchrun's process group misses them; the
+marker finds every process of the launch, wherever it sits, and SIGKILL ends even a stopped (SIGSTOP) one.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: runs/, notebooks/ and relative paths start here
+# torchrun sets these for its workers; a launch from inside a worker (or a test) must not inherit them
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+MARKER = "HETERO_LAUNCH_ID"
+
+
+def from_root(path: str | Path) -> Path:
+    """A path as notebooks and grids take it: a relative one is relative to the checkout, wherever python started."""
+    return Path(path) if Path(path).is_absolute() else ROOT / path
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback now (for MASTER_PORT); another process may take it before it is bound."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, args: list[str], module: str = "hetero.trainer") -> list[str]:
+    """`torchrun --standalone` (a free port per launch, so concurrent launches never collide). torchrun's log
+    folder goes to /dev/null: by default it leaves a torchelastic_* folder in the temp directory per launch."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--log-dir={os.devnull}", "-m", module, *args]
+
+
+def clean_env(extra_path: list[str] | None = None, threads: str | None = None) -> dict[str, str]:
+    """This environment without torchrun's worker variables, with this checkout first on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k != MARKER}
+    env["PYTHONPATH"] = os.pathsep.join([*(extra_path or []), str(ROOT), env.get("PYTHONPATH", "")])
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, set so that it prints no banner about it
+    return env
+
+
+def run_logged(cmd: list[str], log: IO, timeout_s: float, env: dict[str, str] | None = None) -> int | None:
+    """Run cmd with its output into the open file `log`; its exit status, or None when it ran past timeout_s and
+    every process of the launch was stopped (stop_launch). An interrupt stops them too."""
+    marker = uuid.uuid4().hex
+    env = {**(env or clean_env()), MARKER: marker}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_launch(proc, marker)
+        return None
+    except BaseException:
+        stop_launch(proc, marker)
+        raise
+    stop_launch(proc, marker, grace_s=0)  # a worker torchrun left behind (it gives up on stuck ones) ends too
+    return rc
+
+
+def launch_pids(marker: str) -> list[int]:
+    """Live processes whose environment carries MARKER=marker (zombies have none, so they are not counted)."""
+    needle = f"{MARKER}={marker}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as fh:
+                if needle in fh.read().split(b"\0"):
+                    found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _signal_all(proc: subprocess.Popen, marker: str, sig: int) -> list[int]:
+    pids = launch_pids(marker) if os.path.isdir("/proc") else []
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:  # once torchrun is reaped its group id may be reused: signal it only while it lives
+        try:
+            os.killpg(proc.pid, sig)  # also reaches helpers that dropped the marker from their environment
+        except (ProcessLookupError, PermissionError):
+            pass
+    return pids
+
+
+def stop_launch(proc: subprocess.Popen, marker: str, grace_s: float = 10, kill_wait_s: float = 30) -> None:
+    """End every process of the launch: SIGTERM (a chance to record the run as failed), then after grace_s SIGKILL
+    to whatever is left, stopped processes included; wait (up to kill_wait_s) until none is left."""
+    if grace_s > 0:
+        _signal_all(proc, marker, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (proc.poll() is None or launch_pids(marker)):
+            time.sleep(0.2)
+    deadline = time.monotonic() + kill_wait_s
+    while _signal_all(proc, marker, signal.SIGKILL) or proc.poll() is None:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass

@@ -1,0 +1,80 @@
+"""Resuming a run: the recorded Config with the flags that may change, every problem one ConfigError before any
+process group exists; and the learning-rate rule when --epochs changes."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from ..core import safeio
+from .config import Config, ConfigError
+
+# Flags that may differ from the recorded run on --resume: how long, where and how fast it runs, not what it
+# computes. A grown --epochs re-lays the cosine schedule (relay_cosine, from Trainer.load_state_dict).
+RESUMABLE = ("epochs", "timeout_s", "device", "backend", "threads", "affinity", "eval_batch", "data_dir")
+
+
+def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
+    """The Config recorded in the --resume folder, with the resumable flags given on this command line; every
+    problem (unreadable or foreign config.json, another world size, a changed flag) is a ConfigError."""
+    folder = Path(cfg.resume)
+    where = f"cannot resume {folder}"
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{where}: it holds no config.json")
+    try:
+        meta = json.loads(safeio.read_bytes(path, "its config.json"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{where}: its config.json is unreadable or truncated ({e})") from None
+    saved = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{where}: its config.json has no config record")
+    defaults = {f.name: f.default for f in fields(Config)}
+    if unknown := sorted(set(saved) - set(defaults)):
+        raise ConfigError(f"{where}: its config.json has unknown field(s) {', '.join(map(repr, unknown))} "
+                          f"(written by another version of hetero?)")
+    ran = meta.get("world_size")
+    if ran != world_size:
+        raise ConfigError(f"{where}: it ran on {ran} rank(s) and this job has {world_size}; resume with the same "
+                          f"world size (the balancer's shares and per-rank settings do not carry over)")
+    if cfg.run_dir and Path(cfg.run_dir) != folder:
+        raise ConfigError(f"--run-dir {cfg.run_dir} differs from --resume {folder}: a resumed run stays in its folder")
+    recorded = {**defaults, **saved}  # a field added since the run was recorded holds its default
+    changed = [n for n in defaults if n in given and n not in RESUMABLE + ("resume", "run_dir")
+               and getattr(cfg, n) != recorded[n]]
+    if changed:
+        raise ConfigError(f"{where} with another " + ", ".join(f"--{n.replace('_', '-')} (recorded "
+                          f"{recorded[n]!r})" for n in changed) + ": a resumed run keeps its configuration; only "
+                          + ", ".join(f"--{n.replace('_', '-')}" for n in RESUMABLE) + " may change")
+    try:
+        new = Config(**{**recorded, **{n: getattr(cfg, n) for n in RESUMABLE if n in given},
+                        "resume": str(folder), "run_dir": str(folder), "overwrite": False})
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    done = _epochs_done(folder)
+    if new.epochs < done:
+        raise ConfigError(f"{where} with --epochs {new.epochs}: it has completed {done} epochs already")
+    return new
+
+
+def _epochs_done(folder: Path) -> int:
+    """Epochs completed per summary.json (written after each checkpoint, so never ahead of it); 0 if unknown."""
+    try:
+        done = json.loads(safeio.read_bytes(folder / "summary.json")).get("epochs_completed", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return done if isinstance(done, int) else 0
+
+
+def relay_cosine(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.CosineAnnealingLR, done: int,
+                 epochs: int) -> None:
+    """The rule for a changed --epochs E on resume after `done` epochs: from here on the learning rate is what a
+    cosine over E epochs gives, lr * (1 + cos(pi * k / E)) / 2 for epoch k + 1 (a step up when E grows)."""
+    sched.T_max = epochs
+    for group, base in zip(opt.param_groups, sched.base_lrs):
+        group["lr"] = sched.eta_min + (base - sched.eta_min) * (1 + math.cos(math.pi * done / epochs)) / 2
+    # step() continues recursively from the current lr, which now sits on the new curve
+    sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports

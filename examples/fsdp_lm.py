@@ -106,7 +106,8 @@ def load(folder: Path, model, opt) -> dict:
 def main(args) -> int:
     try:  # before any process group: a bad setting stops every rank alike, with one line
         bal = hetero.Balance(scheme=args.scheme, global_batch=args.global_batch, rebalance_every=args.rebalance_every,
-                             hetero=args.hetero, seed=args.seed, micro_batch=args.micro_batch)
+                             seed=args.seed, micro_batch=args.micro_batch)
+        bal.emulate(args.hetero)
     except ValueError as e:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 2
@@ -143,7 +144,7 @@ def main(args) -> int:
         seen[str(epoch)], total = [], torch.zeros(2, dtype=torch.float64)
         for x, y, idx in loader:
             x, y = x.to(device), y.to(device)
-            with bal.step(model):
+            with bal.step():
                 loss = F.cross_entropy(model(x), y.flatten())
                 loss.backward()
                 if bal.sync_now:  # always, without --micro-batch

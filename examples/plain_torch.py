@@ -39,7 +39,8 @@ def main(args) -> int:
         return 2
     try:  # before any process group: a bad setting stops every rank alike, with one line
         bal = hetero.Balance(scheme=args.scheme, global_batch=args.global_batch, rebalance_every=args.rebalance_every,
-                             hetero=args.hetero, seed=args.seed)
+                             seed=args.seed)
+        bal.emulate(args.hetero)
     except ValueError as e:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 2

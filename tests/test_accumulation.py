@@ -136,13 +136,14 @@ def test_the_bench_ideal_is_in_whole_micro_batches():
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_step_without_the_ddp_model_is_refused_on_every_rank(monkeypatch, rank):
+def test_a_micro_batch_step_without_an_attached_model_is_refused_on_every_rank(monkeypatch, rank):
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    bal = hetero.Balance(global_batch=16, micro_batch=4, replay={0: np.array([[4, 12]])})  # counts [1, 3]
-    bal.set_samples(16)
+    bal = hetero.Balance(global_batch=16, micro_batch=4)  # counts [1, 3]
+    bal.replay({0: np.array([[4, 12]])})
+    bal.batch_sampler(16)  # the epoch's length
     bal.set_epoch(0)
-    with pytest.raises(RuntimeError, match="pass the DDP model"):  # rank 0 too, though it needs no no_sync
+    with pytest.raises(RuntimeError, match="attach the model first"):  # rank 0 too, though it needs no no_sync
         with bal.step():
             pass
 
@@ -180,7 +181,7 @@ def _steps(bal: hetero.Balance, ddp: DDP, steps: int) -> tuple[list[int], list[i
     bal.set_epoch(0)
     micro, syncs = [], 0
     for x, y in itertools.islice(loader, steps * COUNTS[bal.rank]):
-        with bal.step(ddp, batch_size=len(y)):
+        with bal.step(batch_size=len(y)):
             F.cross_entropy(ddp(x), y).backward()
             if bal.sync_now:
                 opt.step()
@@ -195,8 +196,8 @@ def _exact_worker(rank: int, out: str, world: int) -> None:
     result = {}
     for name in ("edp", "sync", "bn"):
         # replayed counts [1, 2, 5] (sizes 4, 8, 20): the loop below runs the real sampler and hook on them
-        bal = hetero.Balance(scheme="sync" if name == "sync" else "edp", global_batch=B, micro_batch=M,
-                             replay={0: np.array([[M * k for k in COUNTS]] * 2)})
+        bal = hetero.Balance(scheme="sync" if name == "sync" else "edp", global_batch=B, micro_batch=M)
+        bal.replay({0: np.array([[M * k for k in COUNTS]] * 2)})
         model = _net(bn=name == "bn")
         ddp = DDP(model)
         bal.attach(ddp)
@@ -249,7 +250,8 @@ def test_batch_norm_with_unequal_counts_broadcasts_once_per_step_on_every_rank(e
 def _coverage_worker(rank: int, out: str, world: int) -> None:
     """Two epochs of 10 steps, micro-batch 4, 2 loader workers, rank 1 delayed 0.1 s per step, decisions every 2."""
     _join(rank, world)
-    bal = hetero.Balance(scheme="edp", global_batch=24, micro_batch=4, rebalance_every=2, hetero="1:delay=0.1")
+    bal = hetero.Balance(scheme="edp", global_batch=24, micro_batch=4, rebalance_every=2)
+    bal.emulate("1:delay=0.1")
     ddp = DDP(torch.nn.Linear(8, 3))
     bal.attach(ddp)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -260,7 +262,7 @@ def _coverage_worker(rank: int, out: str, world: int) -> None:
         bal.set_epoch(epoch)
         seen[epoch] = []
         for x, y, idx in loader:
-            with bal.step(ddp):
+            with bal.step():
                 F.cross_entropy(ddp(x), y).backward()
                 if bal.sync_now:
                     opt.step()

@@ -22,10 +22,14 @@ from hetero.lab.launch import free_port
 from hetero.core.sampler import EpochPlan
 
 
-def _balance(monkeypatch, rank: int, world: int = 2, **kw) -> hetero.Balance:
+def _balance(monkeypatch, rank: int, world: int = 2, emulate: str = "", replay=None, **kw) -> hetero.Balance:
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    return hetero.Balance(**kw)
+    bal = hetero.Balance(**kw)
+    bal.emulate(emulate)
+    if replay is not None:
+        bal.replay(replay)
+    return bal
 
 
 # -- one process: the sampler's cut ----------------------------------------------------------------------------
@@ -60,7 +64,7 @@ def test_sampler_refuses_an_epoch_handed_out_twice(monkeypatch):
 
 @pytest.mark.parametrize("kw, match", [({"scheme": "fast"}, "unknown scheme"), ({"max_batch": [3, 3]}, "exceeds"),
                                        ({"min_batch": 0}, "min_batch"), ({"max_batch": [1, 2, 3]}, "entries"),
-                                       ({"hetero": "1:slow=3"}, "EFFECT"), ({"lag": -1}, "lag")])
+                                       ({"emulate": "1:slow=3"}, "EFFECT"), ({"lag": -1}, "lag")])
 def test_bad_settings_raise_one_clear_error(monkeypatch, kw, match):
     with pytest.raises(ValueError, match=match):
         _balance(monkeypatch, 0, global_batch=16, **kw)
@@ -105,7 +109,8 @@ def _two_epochs(lag: int | None, workers: int = 2) -> dict:
     """Two epochs with 2 DataLoader workers, rank 1 delayed 0.1 s per step, decisions every 2 steps."""
     result = {"error": ""}
     try:
-        bal = hetero.Balance(scheme="dp", global_batch=24, rebalance_every=2, hetero="1:delay=0.1", lag=lag)
+        bal = hetero.Balance(scheme="dp", global_batch=24, rebalance_every=2, lag=lag)
+        bal.emulate("1:delay=0.1")
         ddp = DDP(torch.nn.Linear(8, 3))
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -265,7 +270,8 @@ def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
     with pytest.raises(ValueError, match="call bal.probe"):
         bal.attach(torch.nn.Linear(2, 2))  # refused before anything touches the model
     monkeypatch.setattr(hetero.core.balance.dist, "get_backend", lambda: "gloo")
-    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, device: torch.stack([row, torch.tensor([8.0])]))
+    monkeypatch.setattr(hetero.core.probe.dist, "is_initialized", lambda: True)  # rank 1, not probing, answers:
+    monkeypatch.setattr(hetero.core.probe, "gather_json", lambda row, device: [row, {**row, "limit": None}])
     limits = bal.probe(torch.nn.Linear(2, 2), (2,), 2, torch.device("cpu"))
     assert limits == [float("inf"), 8]                     # a CPU rank is not probed; rank 1 keeps its 8
     bal.batch_sampler(64)
@@ -278,12 +284,13 @@ def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
     recorded = {1: np.array([[3, 5], [6, 2], [4, 4]]), 2: np.array([[1, 7], [7, 1], [2, 6]])}
     bal = _balance(monkeypatch, 1, global_batch=8, scheme="edp", rebalance_every=1, replay=recorded)
     monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
-    assert bal.set_samples(24) == 3
+    bal.batch_sampler(24)
+    assert bal.steps_per_epoch == 3
     for epoch in (1, 2):
         bal.set_epoch(epoch)
         for step in range(3):
             assert bal.begin_step(step).tolist() == recorded[epoch][step].tolist()
-            assert bal._weight == recorded[epoch][step][1] / 8      # this rank's b_i / B
+            assert bal.weight == recorded[epoch][step][1] / 8      # this rank's b_i / B
             bal.end_step()
         assert [r.sizes.tolist() for r in bal.epoch_records()] == recorded[epoch].tolist()
     assert bal.decisions == []
@@ -291,7 +298,7 @@ def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
 
 def test_affine_probes_two_sizes_in_its_first_window_then_decides(monkeypatch):
     bal = _balance(monkeypatch, 0, global_batch=40, scheme="affine", rebalance_every=4)
-    bal.set_samples(400)
+    bal.batch_sampler(400)  # the epoch's length
     monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, dev: torch.stack([row, row]))
     bal.set_epoch(1)
     seen = []
@@ -303,16 +310,16 @@ def test_affine_probes_two_sizes_in_its_first_window_then_decides(monkeypatch):
 
 
 def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
-    bal = _balance(monkeypatch, 1, global_batch=8, scheme="affine", sit_out=True, hetero="1:delay=5",
+    bal = _balance(monkeypatch, 1, global_batch=8, scheme="affine", sit_out=True, emulate="1:delay=5",
                    replay={0: np.array([[8, 0], [4, 4]])})
-    bal.set_samples(16)
+    bal.batch_sampler(16)  # the epoch's length
     bal.set_epoch(0)
     slept = []
     monkeypatch.setattr(hetero.core.hook.time, "sleep", slept.append)
     for step in range(2):
         bal.begin_step(step)
-        weight = bal._weight
-        bal._on_ready()                                          # what the hook does when gradients are ready
+        weight = bal.weight
+        bal.gradients_ready()                                    # what the hook does when gradients are ready
         bal.mark_backward()
         bal.end_step()
         assert weight == (0.0 if step == 0 else 0.5)

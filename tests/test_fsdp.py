@@ -55,7 +55,8 @@ def _train(case: str, world: int) -> dict:
     micro = case in ("micro", "mp_micro")
     sizes = [MICRO * k for k in COUNTS] if micro else SPLITS[world]
     bal = hetero.Balance(scheme="sync" if case == "sync" else "edp", global_batch=sum(sizes),
-                         micro_batch=MICRO if micro else 0, replay={0: np.array([sizes] * (len(DATA) // sum(sizes)))})
+                         micro_batch=MICRO if micro else 0)
+    bal.replay({0: np.array([sizes] * (len(DATA) // sum(sizes)))})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.startswith("mp") else None
     model = _shard(_net(), policy)
     bal.attach(model)
@@ -68,7 +69,7 @@ def _train(case: str, world: int) -> dict:
     for x, y in loader:
         if bal.global_step == STEPS:
             break
-        with bal.step(model, batch_size=len(y)):
+        with bal.step(batch_size=len(y)):
             F.cross_entropy(model(x).float(), y).backward()
             if bal.sync_now:
                 if case == "clip":
@@ -197,7 +198,7 @@ for name in sys.argv[2:]:
         fully_shard(m[2])
     try:
         bal = hetero.Balance(global_batch=8)
-        bal.set_samples(8)
+        bal.batch_sampler(8)  # the epoch's length
         bal.set_epoch(0)
         bal.attach(m[2] if name == "not_root" else m)
         with bal.step():

@@ -103,7 +103,8 @@ def _exact_worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     result = {}
     for name, (make, data, average, wrong) in CASES.items():
-        bal = hetero.Balance(global_batch=B, replay={0: [SIZES]}, seed=SEED)
+        bal = hetero.Balance(global_batch=B, seed=SEED)
+        bal.replay({0: [SIZES]})
         args = TrainingArguments(output_dir=f"{out}/{name}", per_device_train_batch_size=B // 2, max_steps=1,
                                  optim="sgd", learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
                                  average_tokens_across_devices=average, use_cpu=True, save_strategy="no",
@@ -187,12 +188,13 @@ def test_a_download_while_offline_is_one_line_and_exit_2():
 def test_set_weight_replaces_the_step_weight_and_needs_a_step(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    bal = hetero.Balance(global_batch=B, replay={0: [SIZES]})
+    bal = hetero.Balance(global_batch=B)
+    bal.replay({0: [SIZES]})
     bal.batch_sampler(B)
     bal.set_epoch(0)
     with pytest.raises(RuntimeError, match="set_weight needs a step begun"):
         bal.set_weight(0.5)
     bal.begin_step(0)
-    assert bal._weight == SIZES[1] / B      # b_i/B, replaced below for this step only
+    assert bal.weight == SIZES[1] / B      # b_i/B, replaced below for this step only
     bal.set_weight(0.5)
-    assert bal._weight == 0.5
+    assert bal.weight == 0.5

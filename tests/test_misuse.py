@@ -66,7 +66,10 @@ def _disagree_worker(rank: int, out: str) -> None:
     for case, kws in CASES.items():
         result = results[case] = {"error": "", "steps": 0}
         try:
-            bal = hetero.Balance(**{"global_batch": 32, **kws[rank]})
+            args = {"global_batch": 32, **kws[rank]}
+            spec = args.pop("hetero", "")  # an emulated slow rank, plugged in as the trainer does
+            bal = hetero.Balance(**args)
+            bal.emulate(spec)
             ddp = DDP(_net())
             bal.attach(ddp)
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
@@ -154,7 +157,7 @@ def test_a_rank_leaving_an_epoch_early_is_named_on_every_rank(tmp_path):
 
 # -- a loop counting its own micro-batches (nanoGPT's) ----------------------------------------------------------
 def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
-    """`for micro_step in range(fixed)` inside bal.step(ddp), counts [1, 3] of m = 4; fixed=0: bal.micro_batches."""
+    """`for micro_step in range(fixed)` inside bal.step(), counts [1, 3] of m = 4; fixed=0: bal.micro_batches."""
     _join(rank)
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2))
@@ -162,17 +165,18 @@ def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
     model = _net()
     before = [p.detach().clone() for p in model.parameters()]
     try:
-        bal = hetero.Balance(global_batch=16, micro_batch=4, replay={0: np.array([[4, 12]] * 4)})  # counts [1, 3]
+        bal = hetero.Balance(global_batch=16, micro_batch=4)  # counts [1, 3]
+        bal.replay({0: np.array([[4, 12]] * 4)})
         ddp = DDP(model)
         bal.attach(ddp)
-        bal.set_samples(64)
+        bal.batch_sampler(64)  # the epoch's length
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         bal.set_epoch(0)
         counts = fixed or bal.micro_batches
         start = 0 if rank == 0 else 4
         for micro in range(counts):  # this rank's slice of the step's 16 samples, in micro-batches of 4
             lo = start + 4 * micro
-            with bal.step(ddp):
+            with bal.step():
                 F.cross_entropy(ddp(x[lo:lo + 4]), y[lo:lo + 4]).backward()
         opt.step()
         result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
@@ -210,14 +214,15 @@ def _extra_steps_worker(rank: int, out: str) -> None:
     _join(rank)
     result = {"error": ""}
     try:
-        bal = hetero.Balance(global_batch=8, micro_batch=4, replay={0: np.array([[4, 4]] * 4)})
+        bal = hetero.Balance(global_batch=8, micro_batch=4)
+        bal.replay({0: np.array([[4, 4]] * 4)})
         ddp = DDP(_net())
         bal.attach(ddp)
-        bal.set_samples(32)
+        bal.batch_sampler(32)  # the epoch's length
         opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
         bal.set_epoch(0)
         for _ in range(2):
-            with bal.step(ddp):
+            with bal.step():
                 F.cross_entropy(ddp(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
         opt.step()
     except hetero.HeteroError as e:
@@ -238,7 +243,7 @@ def _no_attach_worker(rank: int, out: str) -> None:
     try:
         bal = hetero.Balance(global_batch=32)
         ddp = DDP(_net())
-        bal.set_samples(320)
+        bal.batch_sampler(320)  # the epoch's length
         bal.set_epoch(0)
         with bal.step():
             F.cross_entropy(ddp(torch.randn(16, 8)), torch.zeros(16, dtype=torch.long)).backward()
@@ -281,6 +286,39 @@ def test_a_balance_on_a_wrong_rank_is_refused_at_attach_on_every_rank(tmp_path):
 
 
 # -- one process ----------------------------------------------------------------------------------------------------
+# -- the largest-batch probe: one path (the trainer calls it too), a rank's failure stops every rank alike ----------
+def _probe_worker(rank: int, out: str, case: str) -> None:
+    _join(rank)
+    result = {"error": "", "limits": None}
+    try:
+        bal = hetero.Balance(global_batch=32, max_batch="probe")
+        if case == "fails" and rank == 1:  # this rank's probe fails (on a GPU: not even min_batch fits)
+            def fails(*args, **kwargs):
+                raise RuntimeError("not even 1 sample fits on cuda:0 (the model alone fills it)")
+            hetero.core.probe.probe_max_batch = fails
+        # "shared": both ranks say they are on one physical GPU of this host
+        limits = bal.probe(_net(), (8,), 3, torch.device("cpu"), gpu="uuid GPU-same" if case == "shared" else "")
+        result["limits"] = [None if v == float("inf") else v for v in limits]
+    except hetero.HeteroError as e:
+        result["error"] = str(e)
+    _write(out, rank, result)
+
+
+@pytest.mark.parametrize("case, line", [
+    ("fails", "hetero: the largest-batch probe failed on rank 1: not even 1 sample fits on cuda:0"),
+    ("shared", 'hetero: max_batch "probe" needs a GPU of its own per rank: ranks 0, 1 share cpu on ')])
+def test_a_probe_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path, case, line):
+    r = _spawn(_probe_worker, tmp_path, case)      # returns at all: no rank left waiting in the gather
+    assert r[0]["error"] == r[1]["error"], r       # the same line on every rank
+    assert r[0]["error"].startswith(line), r
+    assert r[0]["limits"] is None and r[1]["limits"] is None
+
+
+def test_a_probe_on_cpu_ranks_answers_no_limit_on_every_rank(tmp_path):
+    r = _spawn(_probe_worker, tmp_path, "cpu")
+    assert r[0] == r[1] == {"error": "", "limits": [None, None]}
+
+
 def test_a_peek_at_the_loader_names_the_second_iteration(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -299,7 +337,7 @@ def test_a_loop_without_epochs_decides_every_k_steps(monkeypatch):
         [torch.cat([torch.full((len(row) - 1,), 1e-3, dtype=torch.float64), row[-1:]]),
          torch.cat([torch.full((len(row) - 1,), 3e-3, dtype=torch.float64), row[-1:]])]))
     bal = hetero.Balance(global_batch=32, scheme="dp", rebalance_every=5)
-    for _ in range(50):  # no set_samples, no set_epoch: one endless epoch
+    for _ in range(50):  # no batch_sampler, no set_epoch: one endless epoch
         with bal.step():
             pass
     assert len(bal.decisions) == 10 and [d.effective for d in bal.decisions[:2]] == [5, 10]
@@ -323,4 +361,6 @@ def test_bad_library_arguments_are_one_clear_line(monkeypatch, kw, match):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=match):
-        hetero.Balance(**{"global_batch": 32, **kw})
+        args = {"global_batch": 32, **kw}
+        spec = args.pop("hetero", "")  # the emulation grammar, plugged in with bal.emulate
+        hetero.Balance(**args).emulate(spec)

@@ -157,3 +157,15 @@ def sum_all(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     t = values.to(device=device, dtype=torch.float64, copy=True)
     dist.all_reduce(t)
     return t.cpu()
+
+
+def guarded(fn, *args):
+    """Run a collective; when it fails because a peer stopped with a posted line (post), raise that line."""
+    try:
+        return fn(*args)
+    except HeteroError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a collective's failure: a peer's own reason, when it left one
+        if (why := peer_error()) is not None:
+            raise HeteroError(why) from None
+        raise e

@@ -182,7 +182,8 @@ class Balancer:
         w = np.asarray(d.get("windows", []), float)
         self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
         self._probe_sizes = None
-        if np.any(self.sizes > _as_bounds(self.world, self.max_batch, np.inf)):  # resumed under lower limits (a GPU probed again): same shares, new bounds
+        # resumed under lower limits (a GPU probed again): the same shares, new bounds
+        if np.any(self.sizes > _as_bounds(self.world, self.max_batch, np.inf)):
             self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
 
 

@@ -2,7 +2,7 @@
 emulated delay and the micro-batch schedule. Needs torch only; `Balance.attach(model)` calls `attach` here.
 
     for block in model.blocks: fully_shard(block)
-    fully_shard(model); bal.attach(model)        # then the same loop as under DDP: `with bal.step(model): ...`
+    fully_shard(model); bal.attach(model)        # then the same loop as under DDP: `with bal.step(): ...`
 
 The exact gradient. FSDP2 reduce-scatters each module's gradients; hetero asks every FSDP module for a plain sum
 (`set_gradient_divide_factor(1.0)` and `set_force_sum_reduction_for_comms(True)`) and installs a custom
@@ -93,15 +93,15 @@ class _Timed:
 
     def __init__(self, bal: Balance, reduces_per_step: int = 0):
         self.bal, self.reduces_per_step = bal, reduces_per_step
-        self._clock, self._reduces = None, 0
+        self._step, self._reduces = None, 0
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def held(self, t0: float) -> None:
         """A collective inside forward or backward since t0 (perf_counter): waiting for peers, not compute."""
-        if (clock := self.bal._clock) is not None:
-            clock.held_s += time.perf_counter() - t0
+        if (step := self.bal.current_step(required=False)) is not None:
+            step.clock.held_s += time.perf_counter() - t0
 
 
 class WeightedReduceScatter(_Timed, ReduceScatter or object):
@@ -109,20 +109,18 @@ class WeightedReduceScatter(_Timed, ReduceScatter or object):
     The step's last one is where local gradients are complete: it marks `ready` and `returned` on the clock."""
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        bal = self.bal
-        if bal._clock is None:
-            raise RuntimeError("hetero: a backward ran outside `with bal.step(model)` (or begin_step/end_step)")
-        if bal._clock is not self._clock:  # a new step: count its reduce-scatters afresh
-            self._clock, self._reduces = bal._clock, 0
+        step = self.bal.current_step()
+        if step is not self._step:  # a new step: count its reduce-scatters afresh
+            self._step, self._reduces = step, 0
         self._reduces += 1
         last = self._reduces == self.reduces_per_step
         if last:
-            bal._on_ready()  # marks ready; an emulated slow rank sleeps first
-        input_tensor.mul_(bal._weight)  # FSDP's own copy of the gradients, in the reduce dtype
+            self.bal.gradients_ready()  # marks ready; an emulated slow rank sleeps first
+        input_tensor.mul_(step.weight)  # FSDP's own copy of the gradients, in the reduce dtype
         t0 = time.perf_counter()
         work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         if last:
-            bal._clock.mark("returned")
+            step.clock.mark("returned")
         else:
             self.held(t0)
         return work

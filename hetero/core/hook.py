@@ -40,21 +40,14 @@ def spend_delay(emulator: Emulator, epoch: int, global_step: int, clock: StepClo
 def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Sum over ranks of weight_i * g_i (b_i/B: the global-batch gradient; 1/world: DDP's mean). Linear, so a
     GradScaler's scale passes through and clipping or unscaling after the all-reduce see the exact gradient."""
-    if bucket.is_last():
-        state._on_ready()
+    step = state.gradients_ready() if bucket.is_last() else state.current_step()
     buf = bucket.buffer()
-    buf.mul_(state._weight)
-    with state._lock:
-        state._in_flight += 1
-        state._all_issued = bucket.is_last()
+    buf.mul_(step.weight)
+    step.bucket_sent(last=bucket.is_last())
     fut = dist.all_reduce(buf, async_op=True).get_future()
-    clock = state._clock
 
     def done(f):
-        with state._lock:  # gloo may finish buckets out of order: the wait ends with the last one back
-            state._in_flight -= 1
-            if state._in_flight == 0 and state._all_issued:
-                clock.mark("returned")
+        step.bucket_back()
         return f.value()[0]
     settle.track(done)
     return fut.then(done)

@@ -70,9 +70,19 @@ def recover(device: torch.device) -> None:
         raise RuntimeError(f"{device} computes wrongly after an out-of-memory failure")
 
 
+def gpu_identity(props, index: int) -> str:
+    """One physical GPU's identity, the same in every process that sees it (whatever its cuda:K number there):
+    its UUID, else its PCI address, else its name and index (which may call two same-model GPUs one)."""
+    if uuid := str(getattr(props, "uuid", "") or ""):
+        return f"uuid {uuid}"
+    if getattr(props, "pci_bus_id", None) is not None:
+        return f"pci {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}"
+    return f"{props.name} #{index}"
+
+
 def shared_gpus(places: list[tuple[str, str, str]], probing: list[bool]) -> list[list[int]]:
     """Groups of ranks (at least one of them probing) that share a GPU: places[r] = (host, device, gpu identity) of
-    rank r (dist.gpu_identity; "" on a CPU rank): the physical GPU, not the "cuda:K" name, which with one GPU
+    rank r (gpu_identity; "" on a CPU rank): the physical GPU, not the "cuda:K" name, which with one GPU
     visible per rank is cuda:0 everywhere. The probe measures one rank alone on its device, so it cannot speak for
     ranks that will train side by side."""
     groups: dict[tuple[str, str], list[int]] = {}

@@ -57,10 +57,15 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
         self.balance.set_epoch(epoch)
 
+    def plan(self, epoch: int, device: torch.device | str = "cpu") -> EpochPlan:
+        """The epoch's shared permutation, for a loop that cuts its own batches (on the device: the built-in
+        trainer): its `indices(step, bal.sizes_at(epoch, step), rank)` is what iterating would hand out."""
+        return EpochPlan(self.n_samples, self.balance.global_batch, self.seed, epoch, device)
+
     def __iter__(self) -> Iterator[list[int]]:
         bal, epoch = self.balance, self.balance.epoch
         bal.start_epoch_iteration(epoch)  # refuses a second pass over steps already handed out
-        plan = EpochPlan(self.n_samples, bal.global_batch, self.seed, epoch)
+        plan = self.plan(epoch)
         m = bal.micro_batch
         for step in range(plan.steps):
             idx = plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()

@@ -73,7 +73,7 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
                     m, o, _ = loops[kind]
                     t0 = time.perf_counter()
                     x, y = next(its[kind])
-                    with bal.step(m) if kind == "api" else nullcontext():
+                    with bal.step() if kind == "api" else nullcontext():
                         F.cross_entropy(m(x), y).backward()
                         o.step()
                         o.zero_grad(set_to_none=True)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from ..core import safeio
+from ..core.rules import check_sit_out, micro_batch_too_big
 
 
 class ConfigError(ValueError):
@@ -189,8 +190,10 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1) (got {v})")
         if self.subset and self.subset < self.global_batch:
             raise ConfigError(f"--subset {self.subset} is smaller than the global batch {self.global_batch}")
-        if self.sit_out and self.scheme != "affine":
-            raise ConfigError(f"--sit-out needs --scheme affine (got {self.scheme!r})")
+        try:
+            check_sit_out(self.sit_out, self.scheme, self.micro_batch, spell=_as_flag)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.micro_batch:
             self._check_micro_batch()
         if self.resume and self.overwrite:
@@ -212,11 +215,9 @@ class Config:
             down, up = B - B % m, B - B % m + m
             raise ConfigError(f"--global-batch {B} is not a multiple of --micro-batch {m}: use --global-batch "
                               f"{f'{down} or ' if down else ''}{up}")
-        if self.sit_out:
-            raise ConfigError("--sit-out does not combine with --micro-batch (every rank runs at least one)")
-        small = [v for v in self.max_batch.split(",") if v.strip().isdigit() and 0 < int(v) < m]
-        if small:
-            raise ConfigError(f"--micro-batch {m} exceeds --max-batch {small[0]} (it bounds the micro-batch)")
+        given = [int(v) if v.strip().isdigit() else 0 for v in self.max_batch.split(",")]  # 0, probe: no bound yet
+        if (r := micro_batch_too_big(m, given)) is not None:
+            raise ConfigError(f"--micro-batch {m} exceeds --max-batch {given[r]} (it bounds the micro-batch)")
 
     def check_world(self, world: int) -> None:
         """The checks that need the world size (known once torchrun has started us, or from NPROC)."""
@@ -339,6 +340,11 @@ def _cores_text(cores: list[int]) -> str:
 
 def _flag(name: str) -> str:
     return name.replace("_", "-")
+
+
+def _as_flag(name: str) -> str:
+    """A setting named as its command-line flag (the core's rules name it as an argument)."""
+    return "--" + _flag(name)
 
 
 def check_launch(rank: int, local_rank: int, world: int, local_world: int, endpoint: str | None) -> None:

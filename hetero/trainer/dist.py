@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..core.memory import gpu_identity  # noqa: F401 - setup uses it; tests import it here
 from .config import ConfigError
 
 
@@ -75,16 +76,6 @@ def _loopback_interface() -> str:
     """The loopback interface's name: lo on Linux, lo0 on macOS and the BSDs."""
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in ("lo", "lo0") if n in names), "lo")
-
-
-def gpu_identity(props, index: int) -> str:
-    """One physical GPU's identity, the same in every process that sees it (whatever its cuda:K number there):
-    its UUID, else its PCI address, else its name and index (which may call two same-model GPUs one)."""
-    if uuid := str(getattr(props, "uuid", "") or ""):
-        return f"uuid {uuid}"
-    if getattr(props, "pci_bus_id", None) is not None:
-        return f"pci {props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}"
-    return f"{props.name} #{index}"
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,16 @@
-"""The built-in trainer: one user of the public API (api.Balance), on its own on-device data path.
+"""The built-in trainer: one user of the public API (hetero.Balance), on its own on-device data path.
 
-Read `train_epoch` top to bottom for one step: the Balance gives every rank's batch sizes for the step (replayed,
-probed or decided), this rank cuts its slice of the epoch's shared permutation (sampler.EpochPlan) straight from
-the device-resident data (data.DeviceLoader), runs forward and backward (the Balance's DDP communication hook sums
+Read `train_epoch` top to bottom for one step: `bal.begin_step()` gives every rank's batch sizes for the step
+(replayed, probed or decided), this rank cuts its slice of the epoch's shared permutation (own_samples: the
+sampler's plan, on the device) from the device-resident data (data.DeviceLoader), and runs each micro-batch in
+`with bal.step():` as a plain loop does: forward and backward (the Balance's DDP communication hook sums
 weight_i * g_i and spends an emulated delay when the gradients are ready; with --micro-batch m the slice runs as
-k_i micro-batches of m, each in `bal.step(ddp)`, all but the last under no_sync), steps the optimiser, and ends the
-step in the Balance, which every `rebalance_every` steps and at the epoch's end gathers the compute times and decides:
-the new sizes take effect at the next step (lag 0). The command-line life cycle is in train.py.
+k_i micro-batches of m, all but the last under no_sync), the optimiser step where `bal.sync_now`, and the step's
+end, which every `rebalance_every` steps and at the epoch's end gathers the compute times and decides: the new
+sizes take effect at the next step (lag 0). The command-line life cycle is in run.py.
 """
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,13 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..core.agree import gather_rows, sum_all
 from ..core.balance import Balance
-from ..core.memory import probe_max_batch, shared_gpus
-from ..core.partition import check_feasible
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
 from .config import Config, ConfigError, shown
@@ -141,10 +138,32 @@ class _StandIn:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                                    nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
-        self.balance = Balance(global_batch=cfg.global_batch, scheme=cfg.scheme, rebalance_every=cfg.rebalance_every,
-                               smoothing=cfg.smoothing, deadband=cfg.deadband, significance=cfg.significance,
-                               min_batch=cfg.min_batch, max_batch=cfg.max_batches(world_size), hetero=cfg.hetero,
-                               seed=cfg.seed, lag=0, sit_out=cfg.sit_out, micro_batch=cfg.micro_batch)
+        self.balance = make_balance(cfg, 0, world_size)
+
+
+def make_balance(cfg: Config, rank: int, world_size: int, replay: dict | None = None) -> Balance:
+    """The run's Balance: the config's settings, its emulated slow ranks and, for a replay, the recorded sizes.
+    Lag 0: the trainer cuts each step's batches when it runs it, so a decision takes effect at the next step."""
+    bal = Balance(global_batch=cfg.global_batch, scheme=cfg.scheme, rebalance_every=cfg.rebalance_every,
+                  smoothing=cfg.smoothing, deadband=cfg.deadband, significance=cfg.significance,
+                  min_batch=cfg.min_batch, seed=cfg.seed, lag=0, sit_out=cfg.sit_out, micro_batch=cfg.micro_batch,
+                  max_batch=["probe" if s.probe else None if s.max_batch == float("inf") else int(s.max_batch)
+                             for s in cfg.rank_settings(world_size)])
+    bal.set_world(rank, world_size)
+    if cfg.hetero:
+        bal.emulate(cfg.hetero)
+    if replay is not None:
+        bal.replay(replay)
+    return bal
+
+
+def own_samples(plan: EpochPlan, step: int, sizes: np.ndarray, rank: int) -> tuple[torch.Tensor, float]:
+    """This rank's sample indices at the step and how much they count: 1, or 0 for a rank sitting out (batch 0,
+    affine's sit_out). Such a rank still runs forward and backward, since DDP's all-reduce needs every rank: it
+    borrows two of rank 0's samples, and counting 0 makes its loss, gradient and metrics nothing."""
+    if sizes[rank]:
+        return plan.indices(step, sizes, rank), 1.0
+    return plan.indices(step, sizes, 0)[:2], 0.0
 
 
 def _numpy_rng_plain(state: tuple) -> list:
@@ -166,15 +185,13 @@ class Trainer:
         lo, hi = (len(data.test_y) * world.rank) // world.size, (len(data.test_y) * (world.rank + 1)) // world.size
         self.test_loader = DeviceLoader(data.test_x[lo:hi], data.test_y[lo:hi], data.mean, data.std, dev,
                                         augment=False, memory_format=self.memory_format)
+        self.balance = make_balance(cfg, world.rank, world.size, replay)
         self.max_batches = cfg.max_batches(world.size)
-        if any(s.probe for s in cfg.rank_settings(world.size)):
-            self.max_batches = self._probe_limits(data)  # data on the device, before DDP: the bare model
-        self.balance = Balance(global_batch=cfg.global_batch, scheme=cfg.scheme, rebalance_every=cfg.rebalance_every,
-                               smoothing=cfg.smoothing, deadband=cfg.deadband,
-                               significance=cfg.significance, min_batch=cfg.min_batch,
-                               max_batch=self.max_batches, hetero=cfg.hetero, seed=cfg.seed, lag=0,
-                               sit_out=cfg.sit_out, replay=replay, micro_batch=cfg.micro_batch)
-        self.balance.set_samples(len(self.train_loader))
+        if any(self.balance.probes):  # collective: GPU ranks find their largest batch on the bare model, before DDP
+            self.max_batches = self.balance.probe(self.model, tuple(data.train_x.shape[1:]), len(data.classes), dev,
+                                                  autocast=self.autocast, memory_format=self.memory_format,
+                                                  gpu=world.gpu)
+        self.sampler = self.balance.batch_sampler(len(self.train_loader))  # the epoch's length; cut on the device
         self.ddp = wrap_ddp(self.model, dev)
         self.balance.attach(self.ddp)  # the weighting hook, with the step clock and the emulated delay
         self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -184,45 +201,6 @@ class Trainer:
         self.epoch, self.train_time_s = 0, 0.0
         self.saved_epoch = 0  # the last epoch in the checkpoint: what a summary may claim as completed
         self.history: list[EpochRow] = []
-
-    def _probe_limits(self, data: DataSet) -> list[float] | None:
-        """Collective: GPU ranks set to `probe` find their largest batch (memory.py), all ranks gather the results
-        (a failed probe as -1, so every rank stops with the same error instead of waiting on the failed one)."""
-        cfg, w = self.cfg, self.world
-        probes = [s.probe for s in cfg.rank_settings(w.size)]
-        places = [None] * w.size
-        dist.all_gather_object(places, (socket.gethostname(), str(w.device), w.gpu))
-        if shared := shared_gpus(places, probes):
-            ranks = shared[0]
-            raise TrainingError(f"--max-batch probe needs a GPU of its own per rank: ranks "
-                                f"{', '.join(map(str, ranks))} share {places[ranks[0]][1]} on {places[ranks[0]][0]}; "
-                                f"give their --max-batch as numbers")
-        own, err = float("inf"), ""
-        if probes[w.rank]:
-            try:
-                own = probe_max_batch(self.model, tuple(data.train_x.shape[1:]), len(data.classes), w.device,
-                                      lo=min(cfg.min_batch, cfg.micro_batch or cfg.min_batch),
-                                      hi=cfg.micro_batch or cfg.global_batch, autocast=self.autocast,
-                                      memory_format=self.memory_format)
-            except RuntimeError as e:
-                own, err = -1.0, str(e)
-        probed = gather_rows(torch.tensor([own]), w.coll_device).flatten().tolist()
-        if err:
-            raise TrainingError(err)
-        if failed := [r for r, v in enumerate(probed) if v < 0]:
-            raise TrainingError(f"--max-batch probe failed on rank {failed[0]} (its log has the reason)")
-        limits = cfg.max_batches(w.size, probed)
-        if cfg.micro_batch and (small := [r for r, v in enumerate(limits) if v < cfg.micro_batch]):
-            raise TrainingError(f"--micro-batch {cfg.micro_batch} does not fit rank {small[0]}'s memory (largest "
-                                f"batch {limits_text([limits[small[0]]], 1)}): lower --micro-batch")
-        try:
-            check_feasible(w.size, cfg.global_batch, cfg.min_batch, None if cfg.micro_batch else limits,
-                           max(cfg.micro_batch, 1))
-        except ValueError:
-            raise TrainingError(f"the largest batches per rank ({limits_text(limits, w.size)}; probed with "
-                                f"--max-batch {cfg.max_batch}) hold less than the global batch {cfg.global_batch}: "
-                                f"lower --global-batch or add ranks") from None
-        return limits
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------
     def state_dict(self) -> dict:
@@ -250,7 +228,7 @@ class Trainer:
     # -- one epoch --------------------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, bar=None) -> EpochResult:
         cfg, w, bal = self.cfg, self.world, self.balance
-        plan = EpochPlan(len(self.train_loader), cfg.global_batch, cfg.seed, epoch, w.device)
+        plan = self.sampler.plan(epoch, w.device)
         self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank))
         bal.set_epoch(epoch)  # the emulator's draws follow the epoch
         # Metric sums and the first non-finite step stay on the device: no host sync inside the step.
@@ -258,27 +236,22 @@ class Trainer:
         first_bad = torch.tensor(-1, device=w.device)
         t0 = time.perf_counter()
         for step in range(plan.steps):
-            sizes = bal.begin_step(step)  # every rank's batch size; this rank's gradient weight; the clock starts
-            b = int(sizes[w.rank])
-            # A rank sitting out (batch 0) still joins the all-reduce: DDP needs its backward. It computes two
-            # borrowed samples with the loss scaled to zero, and its gradient weight is 0.
-            idx = plan.indices(step, sizes, w.rank) if b else plan.indices(step, sizes, 0)[:2]
+            sizes = bal.begin_step()  # every rank's batch size; this rank's gradient weight; the clock starts
+            idx, counts = own_samples(plan, step, sizes, w.rank)  # counts 0: this rank sits out the step
             m = cfg.micro_batch or len(idx)  # --micro-batch: k_i = b / m micro-batches, all but the last no_sync
             for lo in range(0, len(idx), m):
                 x, y = self.train_loader.batch(idx[lo:lo + m])
-                with bal.step(self.ddp):  # the step's last batch syncs; its end ends the step (end_step)
+                with bal.step():  # the step's last micro-batch syncs; its end ends the step and may decide
                     with self.autocast:
                         out = self.ddp(x.contiguous(memory_format=self.memory_format))  # no-op: loader's format
-                        loss = F.cross_entropy(out.float(), y) * (1.0 if b else 0.0)
+                        loss = F.cross_entropy(out.float(), y) * counts
                     loss.backward()  # the hook all-reduces weight_i * g_i; an emulated delay is spent in it
                     if bal.sync_now:
                         bal.mark_backward()
                         self.opt.step()
                         self.opt.zero_grad(set_to_none=True)
-                    # every rebalance_every steps and at the epoch's end, the step's end decides for step + 1 on
                 with torch.no_grad():
-                    n = len(y) if b else 0
-                    sums += torch.stack([loss.detach().double() * n, (out.argmax(1) == y).sum().double() * (b > 0)])
+                    sums += torch.stack([loss.detach().double() * len(y), (out.argmax(1) == y).sum().double() * counts])
                     first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
                                             torch.full_like(first_bad, step), first_bad)
             if bar is not None:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import safeio
+from ..core.agree import HeteroError
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, default_run_dir, shown
 from .data import DataError, load_data
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - mark the run failed whatever stopped it, then re-raise or exit
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        msg = str(e) if isinstance(e, (TrainingError, SystemExit, DiskError)) else f"{type(e).__name__}: {e}"
+        msg = str(e) if isinstance(e, (TrainingError, HeteroError, SystemExit, DiskError)) else f"{type(e).__name__}: {e}"
         if started and trainer is not None and trainer.folder is not None:  # rank 0, holding the lock
             try:
                 trainer.folder.write_json("summary.json", trainer.summary("failed", msg))

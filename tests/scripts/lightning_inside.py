@@ -34,7 +34,8 @@ class Module(L.LightningModule):
 
     def _balance(self):
         if self.bal is None:  # --inside: built in this launched process
-            self.bal = hetero.Balance(scheme="dp", global_batch=B, rebalance_every=2, hetero="1:slowdown=3")
+            self.bal = hetero.Balance(scheme="dp", global_batch=B, rebalance_every=2)
+            self.bal.emulate("1:slowdown=3")
         return self.bal
 
     def train_dataloader(self):
@@ -59,7 +60,10 @@ class Module(L.LightningModule):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     inside = "--inside" in sys.argv
-    bal = None if inside else hetero.Balance(scheme="dp", global_batch=B, rebalance_every=2, hetero="1:slowdown=3")
+    bal = None
+    if not inside:  # built before Lightning's launcher starts the processes: the world comes in the callback's setup
+        bal = hetero.Balance(scheme="dp", global_batch=B, rebalance_every=2)
+        bal.emulate("1:slowdown=3")
     trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=2, use_distributed_sampler=False,
                         strategy=DDPStrategy(start_method="spawn" if "--spawn" in sys.argv else "popen"),
                         callbacks=[] if inside else [hetero.BalanceCallback(bal)], logger=False,

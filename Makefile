@@ -182,5 +182,18 @@ gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): OUT=runs/gp
 	$(PYTHON) scripts/gpu_check.py --out "$${OUT:-runs/gpu_check.json}"
 # --- end benchmarks ---
 
+# --- documentation ---
+# The site (mkdocs + mkdocs-material, the API reference by mkdocstrings from the docstrings): mkdocs.yml, docs/*.md.
+# make docs builds it in strict mode into site/ (git-ignored): a broken link, a missing heading or an API name that no
+# longer exists fails it (.ci/run runs it). make docs-serve serves it on http://127.0.0.1:8000, rebuilt on every edit.
+.PHONY: docs docs-serve
+
+docs: $(STAMP)  ## the documentation site, strict, into site/ (open site/index.html)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
+
+docs-serve: $(STAMP)  ## the documentation site on a local server, http://127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+# --- end documentation ---
+
 clean-venv:  ## remove the virtual environment
 	rm -rf $(VENV)

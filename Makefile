@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# torchrun: one node by default; NNODES>1 uses the c10d rendezvous at RDZV_ENDPOINT (README: several nodes).
+# torchrun: one node by default; NNODES>1 uses the c10d rendezvous at RDZV_ENDPOINT (docs/trainer.md: several nodes).
 NPROC ?= 2
 NNODES ?= 1
 NODE_RANK ?= 0
@@ -85,7 +85,7 @@ experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment M
 		$(BIN)/python -m hetero.trainer --check $(ARGS)
 	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.trainer $(ARGS)
 
-test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; README: time on 2 cores)
+test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; docs/getting-started.md: time on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 test-slow: $(STAMP)  ## only the slow tier (real CIFAR-10 images, benchmark smoke tests, ...)

@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# torchrun: one node by default; NNODES>1 uses the c10d rendezvous at RDZV_ENDPOINT (README: several nodes).
+# torchrun: one node by default; NNODES>1 uses the c10d rendezvous at RDZV_ENDPOINT (docs/trainer.md: several nodes).
 NPROC ?= 2
 NNODES ?= 1
 NODE_RANK ?= 0
@@ -85,7 +85,7 @@ experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment M
 		$(BIN)/python -m hetero.trainer --check $(ARGS)
 	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.trainer $(ARGS)
 
-test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; README: time on 2 cores)
+test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; docs/getting-started.md: time on 2 cores)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
 test-slow: $(STAMP)  ## only the slow tier (real CIFAR-10 images, benchmark smoke tests, ...)
@@ -181,6 +181,19 @@ bench: $(STAMP)  ## benchmarks on CPU ranks (about 9 min on 2 cores; QUICK=1 abo
 gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): OUT=runs/gpu_check.json (and .md)
 	$(PYTHON) scripts/gpu_check.py --out "$${OUT:-runs/gpu_check.json}"
 # --- end benchmarks ---
+
+# --- documentation ---
+# The site (mkdocs + mkdocs-material, the API reference by mkdocstrings from the docstrings): mkdocs.yml, docs/*.md.
+# make docs builds it in strict mode into site/ (git-ignored): a broken link, a missing heading or an API name that no
+# longer exists fails it (.ci/run runs it). make docs-serve serves it on http://127.0.0.1:8000, rebuilt on every edit.
+.PHONY: docs docs-serve
+
+docs: $(STAMP)  ## the documentation site, strict, into site/ (open site/index.html)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
+
+docs-serve: $(STAMP)  ## the documentation site on a local server, http://127.0.0.1:8000
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+# --- end documentation ---
 
 clean-venv:  ## remove the virtual environment
 	rm -rf $(VENV)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Launch an example N times in a row under torchrun (2 CPU ranks, tiny sizes) and count the launches that exit
-# non-zero or print "terminate called" (the gloo exit race, README: A clean exit). Run from the checkout:
+# non-zero or print "terminate called" (the gloo exit race, docs/own-loop.md: A clean exit). Run from the checkout:
 #   scripts/launch_loop.sh 50 examples/plain_torch.py [extra flags]
 set -u
 n=$1 script=$2; shift 2

@@ -13,8 +13,9 @@ from hetero.lab.launch import clean_env
 
 from conftest import CIFAR_JPG, ROOT
 
-needs_images = pytest.mark.skipif(not (CIFAR_JPG / "train").is_dir(),
-                                  reason=f"the CIFAR-10 JPEG images are not at {CIFAR_JPG} (see README, Get going)")
+needs_images = pytest.mark.skipif(
+    not (CIFAR_JPG / "train").is_dir(),
+    reason=f"the CIFAR-10 JPEG images are not at {CIFAR_JPG} (see docs/getting-started.md, Tests)")
 SUBSET, B = 192, 32
 ARGS = ["--data", str(CIFAR_JPG / "train"), "--subset", str(SUBSET), "--size", "16", "--global-batch", str(B),
         "--epochs", "2", "--workers", "2", "--hetero", "1:slowdown=3", "--rebalance-every", "2"]

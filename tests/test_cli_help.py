@@ -1,5 +1,5 @@
-"""--help, make help and the README's flag table come from one source (the Config fields' metadata); make lab keeps
---allow-root as root; the Jupyter kernel lives in the venv and papermill uses it."""
+"""--help, make help and the docs' flag table (docs/trainer.md) come from one source (the Config fields' metadata);
+make lab keeps --allow-root as root; the Jupyter kernel lives in the venv and papermill uses it."""
 from __future__ import annotations
 
 import os
@@ -53,9 +53,9 @@ def test_help_through_the_command_line():
     assert p.returncode == 0 and "--global-batch GLOBAL_BATCH" in p.stdout and "samples per step" in p.stdout
 
 
-def test_readme_flag_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    assert flag_table(markdown=True) in readme, "regenerate it: python -m hetero.trainer.cli --markdown"
+def test_docs_flag_table_is_the_generated_one():
+    page = (ROOT / "docs" / "trainer.md").read_text()
+    assert flag_table(markdown=True) in page, "regenerate it: python -m hetero.trainer.cli --markdown"
 
 
 def test_make_help_lists_every_field_with_its_help():

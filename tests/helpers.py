@@ -16,10 +16,10 @@ import torch
 from torch.utils.data import Dataset
 
 from hetero.core.balancer import Balancer
-from hetero.trainer.config import Config
-from hetero.lab.launch import ROOT, clean_env, torchrun_cmd
-from hetero.trainer.run import main
 from hetero.core.partition import SCHEMES
+from hetero.lab.launch import ROOT, clean_env, torchrun_cmd
+from hetero.trainer.config import Config
+from hetero.trainer.run import main
 
 CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
 
@@ -58,7 +58,8 @@ def _env() -> dict[str, str]:
 
 
 def run_train(args: list[str], nproc: int = 1, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
-    """`python -m hetero.trainer ARGS` (nproc=0) or `torchrun --standalone --nproc-per-node=N -m hetero.trainer ARGS`."""
+    """`python -m hetero.trainer ARGS` (nproc=0) or
+    `torchrun --standalone --nproc-per-node=N -m hetero.trainer ARGS`."""
     cmd = [sys.executable, "-m", "hetero.trainer", *args] if nproc == 0 else torchrun_cmd(nproc, args)
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     if check and p.returncode != 0:

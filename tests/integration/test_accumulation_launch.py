@@ -19,9 +19,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
-from helpers import Indexed, max_diff, sgd_step
-from hetero.lab.launch import free_port
 from hetero.core.sampler import EpochPlan
+from hetero.lab.launch import free_port
+
+from helpers import Indexed, max_diff, sgd_step
 
 
 # -- gloo processes ----------------------------------------------------------------------------------------------
@@ -166,8 +167,9 @@ def test_every_sample_once_per_epoch_while_counts_change_mid_epoch(tmp_path):
 
 # -- the built-in trainer (torchrun, 2 CPU ranks) ----------------------------------------------------------------
 def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
-    from helpers import TINY, read_run, run_train
     from hetero.lab import analysis
+
+    from helpers import TINY, read_run, run_train
 
     run = tmp_path / "run"
     run_train([*TINY, "--subset", "1024", "--global-batch", "64", "--micro-batch", "8", "--scheme", "edp",
@@ -183,8 +185,9 @@ def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
 @pytest.mark.slow
 def test_the_trainer_accumulates_the_exact_global_batch_gradient(tmp_path):
     """The built-in trainer's step (replayed counts [1, 2, 5] of m = 4) against single-process SGD."""
-    from helpers import run_train
     from test_exactness import LR, SEED, _max_diff, _reference, _replay_folder
+
+    from helpers import run_train
 
     sizes = [M * k for k in COUNTS]
     run = tmp_path / "run"

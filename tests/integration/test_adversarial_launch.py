@@ -24,8 +24,7 @@ from hetero.lab import analysis
 from hetero.lab import grid as hg
 from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
 
-from helpers import assert_one_line, check, _env, image_folder, ROOT, run_make, SMALL
-
+from helpers import ROOT, SMALL, _env, assert_one_line, check, image_folder, run_make
 
 BOUND_S = 120  # no case may take longer (a hang would block for ever)
 VICTIM = "the victim's own content\n"

@@ -15,9 +15,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
-from helpers import Indexed, max_diff, sgd_step
-from hetero.lab.launch import free_port
 from hetero.core.sampler import EpochPlan
+from hetero.lab.launch import free_port
+
+from helpers import Indexed, max_diff, sgd_step
 
 
 # -- two processes ------------------------------------------------------------------------------------------------

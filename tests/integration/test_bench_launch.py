@@ -1,5 +1,5 @@
-"""The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench) and the
-GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
+"""The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench)
+and the GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
 ratios are sane. No absolute times; the emulated slowdown (8x) is far larger than what a busy 2-core host does to
 one rank. The two smoke runs are in the slow tier (make test-all)."""
 from __future__ import annotations
@@ -12,9 +12,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, _env
 
 from hetero.lab import measure
+
+from helpers import ROOT, _env
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
@@ -27,8 +28,8 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_bench_quickest(tmp_path):
     out = tmp_path / "bench"
-    p = _run([sys.executable, "-m", "hetero.lab.bench", "--quick", "--out", str(out), "--worlds", "2", "--slowdowns", "8",
-              "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
+    p = _run([sys.executable, "-m", "hetero.lab.bench", "--quick", "--out", str(out), "--worlds", "2",
+              "--slowdowns", "8", "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
               "--overhead-epochs", "2", "--max-workers", "16", "--hf-runs", "1", "--hf-steps", "6"], timeout=360)
     res = json.loads((out / "bench.json").read_text())
     assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
@@ -37,7 +38,8 @@ def test_bench_quickest(tmp_path):
     (r,) = res["balance"]
     assert (r["world"], r["kind"], r["hetero"], r["scheme"], r["speedup_vs_sync"]) == (2, "slowdown", "1:slowdown=8",
                                                                                          "edp", None)
-    assert [(s["scheme"], s["repeats"], s["over_ideal"]) for s in res["balance_summary"]] == [("edp", 1, r["over_ideal"])]
+    assert ([(s["scheme"], s["repeats"], s["over_ideal"]) for s in res["balance_summary"]]
+            == [("edp", 1, r["over_ideal"])])
     assert (r["global_batch"], r["steps"]) == (64, 8)
     assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("over_ideal", "over_sync_bound")) and r["jitter"] >= 0
     assert abs(sum(r["shares"]) - 1) < 0.01  # over_ideal, over_sync_bound: hardware figures, only finite
@@ -131,7 +133,7 @@ def test_make_knobs_are_the_flags_of_the_same_name(target, knobs, module):
                           capture_output=True, text=True, timeout=60).stdout
     helptext = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=_env(), capture_output=True,
                               text=True, timeout=60).stdout
-    for k, v in knobs.items():
+    for k in knobs:
         flag = "--" + k.lower().replace("_", "-")
         # values reach the shell through the environment (a quote in a value runs nothing), flags keep the names
         assert (f'{flag} "${k}"' in make or f'{flag} "${k}"' in make.replace("${" + k + ":+", "")

@@ -8,11 +8,9 @@ import subprocess
 import sys
 from dataclasses import fields
 
-
+from hetero.lab.launch import ROOT
 from hetero.trainer.cli import flag_help
 from hetero.trainer.config import Config
-from hetero.lab.launch import ROOT
-
 
 
 def _make(*args: str) -> str:

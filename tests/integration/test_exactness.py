@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hetero.core.sampler import EpochPlan
 from hetero.trainer.data import DeviceLoader, load_data
 from hetero.trainer.models import build_model
-from hetero.core.sampler import EpochPlan
 
 from helpers import run_train
 

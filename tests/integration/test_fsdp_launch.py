@@ -20,9 +20,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
-from helpers import sgd_step
-from hetero.lab.launch import ROOT, clean_env, free_port
 from hetero.core.sampler import EpochPlan
+from hetero.lab.launch import ROOT, clean_env, free_port
+
+from helpers import sgd_step
 
 DATA = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)),
                      torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2)))
@@ -56,7 +57,8 @@ def _train(case: str, world: int) -> dict:
     sizes = [MICRO * k for k in COUNTS] if micro else SPLITS[world]
     bal = hetero.Balance(scheme="sync" if case == "sync" else "edp", global_batch=sum(sizes),
                          micro_batch=MICRO if micro else 0, replay={0: np.array([sizes] * (len(DATA) // sum(sizes)))})
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.startswith("mp") else None
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if case.startswith("mp")
+              else None)
     model = _shard(_net(), policy)
     bal.attach(model)
     if case == "held" and bal.rank == 1:  # rank 1 stalls inside forward: rank 0 waits in the next all-gather
@@ -123,7 +125,8 @@ def _diff(got: list, want: list[torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
-    return _spawn(_exact_worker, tmp_path_factory.mktemp("fsdp2"), 2, ["edp", "sync", "micro", "clip", "mp", "mp_micro", "held"])
+    return _spawn(_exact_worker, tmp_path_factory.mktemp("fsdp2"), 2,
+                  ["edp", "sync", "micro", "clip", "mp", "mp_micro", "held"])
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,12 @@ finishes after the host moves on), the backend chosen from every rank's physical
 cuDNN/cuBLAS allocation failures, and batches that reach the model in its memory format without extra copies."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from helpers import TINY, read_run, run_train
 from hetero.core.seeding import EMULATOR, epoch_seed
+
+from helpers import TINY, read_run, run_train
 
 
 @pytest.mark.slow

@@ -20,10 +20,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # noqa: E402  (before transformers reads it)
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
 
 import hetero  # noqa: E402
-from helpers import max_diff  # noqa: E402
+from hetero.core.sampler import EpochPlan  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
 from hetero.lab.launch import ROOT, clean_env, free_port  # noqa: E402
-from hetero.core.sampler import EpochPlan  # noqa: E402
+
+from helpers import max_diff  # noqa: E402
 
 B, SIZES, T, VOCAB, LR, SEED = 8, [6, 2], 12, 16, 0.5, 3
 VALID = [3 + (7 * i) % 10 for i in range(B)]  # valid label tokens per row: unequal, so token and sample shares differ

@@ -16,7 +16,7 @@ import torch
 
 from hetero.trainer.resume import RESUMABLE
 
-from helpers import assert_one_line, check, _env, ROOT, run_make, run_train, SMALL
+from helpers import ROOT, SMALL, _env, assert_one_line, check, run_make, run_train
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
-from helpers import ROOT
 from hetero.lab.launch import clean_env
+
+from helpers import ROOT
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 pytestmark = pytest.mark.slow  # three Lightning launches, about 15 s each on 2 quiet cores

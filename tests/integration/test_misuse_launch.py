@@ -18,8 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
 import hetero.core.settle
-from helpers import Indexed, max_diff, sgd_step
 from hetero.lab.launch import free_port
+
+from helpers import Indexed, max_diff, sgd_step
 
 
 def _spawn(fn, tmp_path, *args, world: int = 2) -> list[dict]:
@@ -259,7 +260,7 @@ def _guess_worker(rank: int, out: str) -> None:
     os.environ["WORLD_SIZE"] = "2"
     result = {"error": "", "build": ""}
     try:
-        hetero.Balance(global_batch=32).rank
+        _ = hetero.Balance(global_batch=32).rank  # reading the rank is what refuses
     except hetero.HeteroError as e:
         result["build"] = str(e)  # WORLD_SIZE without RANK: refused, not guessed
     bal = hetero.Balance(global_batch=32)

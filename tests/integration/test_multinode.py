@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, TINY, _env, read_run, replay_decisions
 from hetero.lab.launch import free_port
+
+from helpers import ROOT, TINY, _env, read_run, replay_decisions
 
 pytestmark = pytest.mark.slow  # two torchrun nodes on one machine
 

@@ -10,9 +10,9 @@ from dataclasses import fields
 import nbformat
 import pytest
 
-from hetero.trainer.config import Config
 from hetero.lab.grid import GRID_KEYS, PARAMETERS
 from hetero.lab.launch import ROOT
+from hetero.trainer.config import Config
 
 CONFIG = {f.name for f in fields(Config)}
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import hetero.trainer.runlog as runlog
-from hetero.trainer import run as train
 from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
+from hetero.trainer import run as train
 from hetero.trainer.runlog import RunFolder, acquire_lock, status
 
 from helpers import ROOT, TINY, _env, read_run, run_train
@@ -228,7 +228,8 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
 def test_two_identical_grids_at_once_train_each_run_once(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    code = (f"from hetero.lab.grid import plan_grid, run_grid; run_grid(plan_grid(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
+    code = (f"from hetero.lab.grid import plan_grid, run_grid; "
+            f"run_grid(plan_grid(grid='x', runs_root={str(tmp_path)!r}, nproc=1, "
             f"seed=[0, 1], epochs=2, **{GRID!r}), progress=False)")
     env = {**_env(), "TMPDIR": str(tmp)}
     grids = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,

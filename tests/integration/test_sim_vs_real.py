@@ -2,8 +2,8 @@
 delay (0.2 s per step) is far above the tiny model's compute on a busy 2-core host, so the path does not hang on
 timing noise."""
 import numpy as np
-import pytest
 import pandas as pd
+import pytest
 
 from hetero.core.partition import fit_affine
 from hetero.lab.simulator import Scenario, simulate

@@ -11,8 +11,8 @@ import pytest
 
 import hetero
 from hetero.core.balancer import Balancer
-from hetero.trainer.config import Config, ConfigError
 from hetero.core.partition import affine_batch_sizes, batch_sizes, check_feasible, predicted_step_s
+from hetero.trainer.config import Config, ConfigError
 
 # pandas-based modules (analysis, simulator, helpers' run readers) are imported in the tests that use them: every
 # spawned rank imports this module, and on a loaded 2-core machine pandas adds seconds to each

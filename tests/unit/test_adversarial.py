@@ -16,13 +16,12 @@ import pytest
 import torch
 
 import hetero.trainer.runlog as runlog
-from hetero.lab import analysis
 from hetero.core import safeio
+from hetero.lab import analysis
 from hetero.trainer import run as train
 from hetero.trainer.data import load_data
 
-from helpers import assert_one_line, check, image_folder, SMALL
-
+from helpers import SMALL, assert_one_line, check, image_folder
 
 LONG = "a" * 300  # one name past NAME_MAX
 VICTIM = "the victim's own content\n"

@@ -1,16 +1,16 @@
-"""The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench) and the
-GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
+"""The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench)
+and the GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
 ratios are sane. No absolute times; the emulated slowdown (8x) is far larger than what a busy 2-core host does to
 one rank. The two smoke runs are in the slow tier (make test-all)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
-from helpers import ROOT
 
 from hetero.lab import measure
 from hetero.lab.simbench import decision_times
+
+from helpers import ROOT
 
 
 def test_gpu_check_report_marks_missing_figures(monkeypatch):
@@ -21,7 +21,8 @@ def test_gpu_check_report_marks_missing_figures(monkeypatch):
     rows = [{"scheme": "edp", "epoch_s": 2.0, "shares": [0.6, 0.4], "balance_eff": 0.9, "speedup_vs_sync": None},
             {"scheme": "affine", "error": "LaunchError: exited 1"}]
     text = markdown({"meta": meta, "pair": {"backend": "gloo", "model": "tiny", "hetero": "1:slowdown=8", "rows": rows},
-                     "throughput": [{"model": "tiny", "path": "float32", "batch": 32, "error": "skipped: out of time"}]})
+                     "throughput": [{"model": "tiny", "path": "float32", "batch": 32,
+                                     "error": "skipped: out of time"}]})
     assert text.startswith("# GPU check, d, h: GPU (torch 2.x)")
     assert "| edp | 2.000 | - | 0.60/0.40 | 0.90 |" in text and "| affine | LaunchError: exited 1 |" in text
     assert "| tiny | float32 | 32 | skipped: out of time |" in text

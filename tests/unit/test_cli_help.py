@@ -6,11 +6,11 @@ from dataclasses import fields
 
 import pytest
 
+from hetero.core.partition import SCHEMES
+from hetero.lab.launch import ROOT
 from hetero.trainer.cli import build_parser, flag_help, flag_table
 from hetero.trainer.config import Config
-from hetero.lab.launch import ROOT
 from hetero.trainer.models import MODELS
-from hetero.core.partition import SCHEMES
 
 
 def test_every_flag_has_help_with_its_default_and_choices():

@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from hetero.lab.coupled import coupled_batch_sizes, finish_s, fit_scale, shared_walls, unshare
 from hetero.core.partition import affine_batch_sizes, predicted_step_s
+from hetero.lab.coupled import coupled_batch_sizes, finish_s, fit_scale, shared_walls, unshare
 from hetero.lab.simulator import Scenario, simulate
 
 

@@ -3,7 +3,6 @@ sizes, in micro-batch mode with unequal counts, with clipping and mixed precisio
 rank; the example (examples/fsdp_lm.py) under torchrun: coverage, the slow rank's share, the loss, a resume."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

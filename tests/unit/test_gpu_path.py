@@ -15,12 +15,12 @@ import torch.nn as nn
 
 from hetero.core import memory
 from hetero.core.balance import spend_delay
-from hetero.trainer.data import DeviceLoader
 from hetero.core.clock import StepClock
-from hetero.trainer.dist import Place, choose_backend, exchange_places, gpu_identity, shared_gpu_groups
 from hetero.core.emulator import Emulator
 from hetero.core.memory import fitting_batch, is_alloc_failure
 from hetero.core.seeding import EMULATOR, epoch_seed
+from hetero.trainer.data import DeviceLoader
+from hetero.trainer.dist import Place, choose_backend, exchange_places, gpu_identity, shared_gpu_groups
 
 CPU = torch.device("cpu")
 SEED, EPOCH, RANK = 7, 2, 1
@@ -38,7 +38,7 @@ class FakeGpu:
     def queue(self, seconds: float) -> None:  # the host launches kernels and moves on
         self.busy_until = max(time.perf_counter(), self.busy_until) + seconds
 
-    def event(self) -> "FakeEvent":
+    def event(self) -> FakeEvent:
         return FakeEvent(self)
 
 
@@ -54,7 +54,7 @@ class FakeEvent:
         if (left := self.t - time.perf_counter()) > 0:
             time.sleep(left)
 
-    def elapsed_time(self, other: "FakeEvent") -> float:
+    def elapsed_time(self, other: FakeEvent) -> float:
         return (other.t - self.t) * 1e3  # ms, as torch.cuda.Event
 
 

@@ -28,8 +28,8 @@ def test_product_names_and_per_model_hetero(tmp_path):
 
 def test_every_bad_run_is_reported_before_anything_starts(tmp_path):
     with pytest.raises(hg.GridError) as e:
-        hg.plan_grid(grid="g", runs_root=tmp_path, nproc=2, scheme=["sync", "nope"], hetero=["1:delay=0.1", "2:delay=0.1"],
-                **{k: v for k, v in TINY.items()})
+        hg.plan_grid(grid="g", runs_root=tmp_path, nproc=2, scheme=["sync", "nope"],
+                     hetero=["1:delay=0.1", "2:delay=0.1"], **{k: v for k, v in TINY.items()})
     lines = str(e.value).splitlines()
     assert len(lines) == 3  # nope x 2 specs, and rank 2 on a world of 2
     assert any("unknown scheme 'nope'" in ln for ln in lines)

@@ -15,7 +15,7 @@ import torch
 from hetero.lab import grid as hg
 from hetero.trainer.config import Config
 
-from helpers import assert_one_line, check, image_folder, ROOT, SMALL
+from helpers import ROOT, SMALL, assert_one_line, check, image_folder
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +91,8 @@ FOLDERS = [
 def test_bad_image_folder_names_the_file(name, damage, text, tmp_path, monkeypatch, capsys):
     root = image_folder(tmp_path / "images")
     monkeypatch.setenv("HETERO_CACHE", str(tmp_path / "cache"))
-    args = ["--model", "tiny", "--data", "imagefolder", "--data-dir", str(root), "--global-batch", "2", "--threads", "1"]
+    args = ["--model", "tiny", "--data", "imagefolder", "--data-dir", str(root), "--global-batch", "2",
+            "--threads", "1"]
     assert check(args, monkeypatch, capsys)[0] == 0  # sound before the damage (and cached: the damage changes mtimes)
     shutil.rmtree(tmp_path / "cache")
     damage(root)

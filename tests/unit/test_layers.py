@@ -75,7 +75,6 @@ def _names(reqs) -> set[str]:
 
 def test_the_core_needs_torch_and_numpy_alone_and_environment_yml_agrees_with_pyproject():
     import tomllib
-
     import yaml
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert _names(project["dependencies"]) == {"torch", "numpy"}

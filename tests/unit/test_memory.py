@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from hetero.trainer.config import Config, ConfigError
 from hetero.core.memory import fitting_batch, largest_fitting, probe_max_batch, shared_gpus
+from hetero.trainer.config import Config, ConfigError
 
 
 @pytest.mark.parametrize("lo,hi", [(1, 1), (1, 64), (3, 100), (1, 1000), (16, 17)])

@@ -4,12 +4,12 @@ every rank with the same one line (never a socket error, a hang or a silently wr
 processes started by torch.multiprocessing.spawn; each rank writes what it saw to a JSON file."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 import hetero
 import hetero.core.settle
+
 from helpers import Indexed
 
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-
+from hetero.lab.launch import ROOT
 from hetero.trainer.cli import build_parser
 from hetero.trainer.config import Config
-from hetero.lab.launch import ROOT
 
 CONFIG = {f.name for f in fields(Config)}
 

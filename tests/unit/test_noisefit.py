@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from hetero.lab.noisefit import fit_jitter, fit_steps, ideal_costs, over_ideal, replay
 from hetero.core.partition import batch_sizes, predicted_step_s
+from hetero.lab.noisefit import fit_jitter, fit_steps, ideal_costs, over_ideal, replay
 
 SIGMA, PHI, RHO = np.array([0.05, 0.10, 0.20]), 0.6, 0.5
 

@@ -13,7 +13,8 @@ import pytest
 from hetero.lab import analysis
 from hetero.lab.launch import ROOT
 
-pytestmark = pytest.mark.slow  # papermill runs of the grid and report notebooks (this file's pure checks ride along with them)
+# the slow tier, as when these shared a module with the papermill runs (tests/integration/test_notebooks_launch.py)
+pytestmark = pytest.mark.slow
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 

@@ -8,7 +8,6 @@ from hetero.trainer.runlog import RunFolder
 
 from helpers import TINY
 
-
 BAD = [
     (["--model", "alexnet"], "unknown model 'alexnet'"),
     (["--scheme", "fast"], "unknown scheme 'fast'"),

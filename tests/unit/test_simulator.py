@@ -9,7 +9,6 @@ from hetero.lab.simbench import benchmark
 from hetero.lab.simulator import Scenario, compare, simulate, stability, sweep
 
 
-
 def test_sync_step_is_the_slowest_rank_and_idle_time_is_the_rest():
     sc = Scenario([0.01, 0.02, 0.01], [1e-4, 1e-4, 3e-4])
     r = simulate(sc, "sync", global_batch=300, epochs=2, steps_per_epoch=5)

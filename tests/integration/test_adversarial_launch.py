@@ -4,7 +4,6 @@ says so, and nothing hangs. Each case goes through the command line (`--check`, 
 public API, as a user would meet it; a case that could hang runs in a subprocess with a timeout."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,14 +19,11 @@ import pytest
 import torch
 
 import hetero.trainer.runlog as runlog
-from hetero.lab import analysis
-from hetero.lab import grid as hg
 from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
 
 from helpers import ROOT, SMALL, _env, assert_one_line, check, image_folder, run_make
 
 BOUND_S = 120  # no case may take longer (a hang would block for ever)
-VICTIM = "the victim's own content\n"
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +44,6 @@ def _one_line(p: subprocess.CompletedProcess, text: str) -> None:
     assert lines[0].startswith("hetero: error: ") and text in lines[0], lines[0]
 
 
-def _victim(tmp_path: Path) -> Path:
-    v = tmp_path / "victim.txt"
-    v.write_text(VICTIM)
-    return v
-
-
 # -- 1. the data set is what is on disk -------------------------------------------------------------------------
 IMAGES = ["--model", "tiny", "--data", "imagefolder", "--global-batch", "2", "--threads", "1"]
 
@@ -65,44 +55,7 @@ def test_a_fifo_in_an_image_folder_is_refused_without_opening_it(tmp_path):
     _one_line(p, f"{root}/train/cat/f.jpg is a FIFO, not a regular file")
 
 
-def _grid_check(*args: str, capsys=None) -> subprocess.CompletedProcess:
-    """`python -m hetero.lab.grid --check ARGS`: its main() in this process (importing papermill takes seconds)."""
-    rc = hg.main(["--check", *args])
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, rc, out.out, out.err)
-
-
-GRID = ["-p", "model", "tiny", "-p", "data", "synthetic", "-p", "subset", "512", "-p", "global_batch", "128",
-        "-p", "nproc", "1", "-p", "device", "cpu", "-p", "threads", "1"]
-
-
-@pytest.mark.parametrize("name", ["..", ".", "a/b"])
-def test_grid_names_are_plain_names(name, tmp_path, capsys):
-    _one_line(_grid_check(*GRID, "-p", "grid", name, "-p", "runs_root", str(tmp_path), capsys=capsys),
-              "must be a plain folder name")
-
-
-@pytest.mark.parametrize("name", ["grid.json", "grid.ipynb", "grid.csv"])
-def test_a_link_in_the_grid_folder_is_refused(name, tmp_path, capsys):
-    victim = _victim(tmp_path)
-    (tmp_path / "g").mkdir()
-    (tmp_path / "g" / name).symlink_to(victim)
-    _one_line(_grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), capsys=capsys),
-              f"g/{name} is a symbolic link")
-    assert victim.read_text() == VICTIM
-
-
-def test_a_link_in_the_report_folder_is_refused(tmp_path, capsys):
-    victim = _victim(tmp_path)
-    run = tmp_path / "g" / "r"
-    run.mkdir(parents=True)
-    (run / "config.json").write_text("{}")
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "report.html").symlink_to(victim)
-    rc = analysis.main(["--check", str(tmp_path / "g"), str(tmp_path / "out")])
-    _one_line(subprocess.CompletedProcess([], rc, "", capsys.readouterr().err), "report.html is a symbolic link")
-
-
+# -- 3. everything checkable is checked before the process group ------------------------------------------------
 @pytest.fixture(scope="module")
 def done_run(tmp_path_factory) -> Path:
     """A completed one-process run of SMALL (copied by each test that changes it)."""
@@ -190,34 +143,7 @@ def test_a_bad_replay_file_is_one_line(name, edit, text, done_run, tmp_path, mon
     assert_one_line(rc, err, text)
 
 
-def test_a_grid_run_name_too_long_is_one_line(tmp_path, capsys):
-    p = _grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), "-y",
-                    "hetero: " + json.dumps(",".join(["0:delay=0.001"] * 30)), capsys=capsys)
-    _one_line(p, "its run folder has a name longer than the system allows")
-
-
 # -- 4. grids and reports ---------------------------------------------------------------------------------------
-BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")) + "model: *i\n"
-GRID_FILES = [
-    ("not utf-8", b"model: tiny\nscheme: \xff\xfe\n", "not UTF-8 text (byte 0xff"),
-    ("runs_root 5", b"runs_root: 5\n", "runs_root must be a folder path (got 5)"),
-    ("alias bomb", BOMB.encode(), "its aliases expand past 100000 values"),
-    ("duplicate keys", b"model: tiny\nepochs: 2\nepochs: 3\n", "duplicate key 'epochs'"),
-    ("empty axis", b"model: []\n", "parameter 'model' is an empty list"),
-]
-
-
-@pytest.mark.parametrize("name,text,message", GRID_FILES, ids=[g[0] for g in GRID_FILES])
-def test_bad_grid_files_are_one_short_line(name, text, message, tmp_path, capsys):
-    (tmp_path / "p.yaml").write_bytes(text)
-    t0 = time.monotonic()
-    given = ["-f", str(tmp_path / "p.yaml")] + ([] if name == "runs_root 5" else ["-p", "runs_root", str(tmp_path)])
-    p = _grid_check(*GRID[3:], *given, "-p", "grid", "g", capsys=capsys)
-    _one_line(p, message)
-    assert len(p.stderr) < 1000 and time.monotonic() - t0 < 60
-
-
 def test_make_report_of_a_missing_grid_and_sim_bench_nan_are_one_line():
     for args, text in ((("report", "GRID=nope"), "runs/nope holds no run folders"),
                        (("sim-bench", "NOISE=nan"), "0 <= --noise <= 10")):
@@ -272,11 +198,3 @@ def test_a_stopped_worker_dies_with_its_launcher_and_frees_the_folder(tmp_path):
             os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
-
-
-def test_a_grid_folder_with_an_unreadable_config_is_one_line(tmp_path, capsys):
-    run = tmp_path / "g" / "tiny-edp-none-s0"
-    run.mkdir(parents=True)
-    (run / "config.json").write_text("{not json")
-    _one_line(_grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), capsys=capsys),
-              "holds an unreadable config.json")

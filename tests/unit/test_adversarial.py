@@ -8,6 +8,8 @@ import errno
 import json
 import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ import torch
 import hetero.trainer.runlog as runlog
 from hetero.core import safeio
 from hetero.lab import analysis
+from hetero.lab import grid as hg
 from hetero.trainer import run as train
 from hetero.trainer.data import load_data
 
@@ -31,6 +34,12 @@ VICTIM = "the victim's own content\n"
 def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HETERO_CACHE", str(tmp_path / "cache"))
+
+
+def _one_line(p: subprocess.CompletedProcess, text: str) -> None:
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("hetero: error: ") and text in lines[0], lines[0]
 
 
 def _victim(tmp_path: Path) -> Path:
@@ -155,6 +164,44 @@ def test_links_in_the_cache_are_never_written_through(tmp_path, monkeypatch, cap
     assert victim.read_text() == VICTIM
 
 
+def _grid_check(*args: str, capsys=None) -> subprocess.CompletedProcess:
+    """`python -m hetero.lab.grid --check ARGS`: its main() in this process (importing papermill takes seconds)."""
+    rc = hg.main(["--check", *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+
+GRID = ["-p", "model", "tiny", "-p", "data", "synthetic", "-p", "subset", "512", "-p", "global_batch", "128",
+        "-p", "nproc", "1", "-p", "device", "cpu", "-p", "threads", "1"]
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b"])
+def test_grid_names_are_plain_names(name, tmp_path, capsys):
+    _one_line(_grid_check(*GRID, "-p", "grid", name, "-p", "runs_root", str(tmp_path), capsys=capsys),
+              "must be a plain folder name")
+
+
+@pytest.mark.parametrize("name", ["grid.json", "grid.ipynb", "grid.csv"])
+def test_a_link_in_the_grid_folder_is_refused(name, tmp_path, capsys):
+    victim = _victim(tmp_path)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / name).symlink_to(victim)
+    _one_line(_grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), capsys=capsys),
+              f"g/{name} is a symbolic link")
+    assert victim.read_text() == VICTIM
+
+
+def test_a_link_in_the_report_folder_is_refused(tmp_path, capsys):
+    victim = _victim(tmp_path)
+    run = tmp_path / "g" / "r"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.html").symlink_to(victim)
+    rc = analysis.main(["--check", str(tmp_path / "g"), str(tmp_path / "out")])
+    _one_line(subprocess.CompletedProcess([], rc, "", capsys.readouterr().err), "report.html is a symbolic link")
+
+
 # -- 3. everything checkable is checked before the process group ------------------------------------------------
 HUGE = "9" * 400
 BEFORE_GROUP = [
@@ -194,6 +241,34 @@ def test_launch_numbers_are_checked_before_anything_indexes_by_them(monkeypatch,
     assert check(SMALL, monkeypatch, capsys) == (0, [])
 
 
+def test_a_grid_run_name_too_long_is_one_line(tmp_path, capsys):
+    p = _grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), "-y",
+                    "hetero: " + json.dumps(",".join(["0:delay=0.001"] * 30)), capsys=capsys)
+    _one_line(p, "its run folder has a name longer than the system allows")
+
+
+# -- 4. grids and reports ---------------------------------------------------------------------------------------
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")) + "model: *i\n"
+GRID_FILES = [
+    ("not utf-8", b"model: tiny\nscheme: \xff\xfe\n", "not UTF-8 text (byte 0xff"),
+    ("runs_root 5", b"runs_root: 5\n", "runs_root must be a folder path (got 5)"),
+    ("alias bomb", BOMB.encode(), "its aliases expand past 100000 values"),
+    ("duplicate keys", b"model: tiny\nepochs: 2\nepochs: 3\n", "duplicate key 'epochs'"),
+    ("empty axis", b"model: []\n", "parameter 'model' is an empty list"),
+]
+
+
+@pytest.mark.parametrize("name,text,message", GRID_FILES, ids=[g[0] for g in GRID_FILES])
+def test_bad_grid_files_are_one_short_line(name, text, message, tmp_path, capsys):
+    (tmp_path / "p.yaml").write_bytes(text)
+    t0 = time.monotonic()
+    given = ["-f", str(tmp_path / "p.yaml")] + ([] if name == "runs_root 5" else ["-p", "runs_root", str(tmp_path)])
+    p = _grid_check(*GRID[3:], *given, "-p", "grid", "g", capsys=capsys)
+    _one_line(p, message)
+    assert len(p.stderr) < 1000 and time.monotonic() - t0 < 60
+
+
 # -- 6. a full disk says so, and the summary never claims more than the checkpoint ------------------------------
 def test_disk_full_inside_torch_save_says_disk_full(tmp_path, monkeypatch, capsys):
     """The file's write raises ENOSPC during a real torch.save, which wraps it as `unexpected pos`."""
@@ -228,3 +303,12 @@ def test_disk_full_inside_torch_save_says_disk_full(tmp_path, monkeypatch, capsy
     summary = json.loads((run / "summary.json").read_text())
     state = torch.load(run / "checkpoint.pt", weights_only=True)
     assert state["epoch"] == 1 and summary["epochs_completed"] == 1 and "disk full" in summary["error"]
+
+
+# -- 7. no hangs -------------------------------------------------------------------------------------------------
+def test_a_grid_folder_with_an_unreadable_config_is_one_line(tmp_path, capsys):
+    run = tmp_path / "g" / "tiny-edp-none-s0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{not json")
+    _one_line(_grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), capsys=capsys),
+              "holds an unreadable config.json")

@@ -1,7 +1,8 @@
 """The micro-batch mode (--micro-batch m): a fixed micro-batch per rank and k_i micro-batches per rank and step,
 accumulated under DDP's no_sync. Pure maths first, then gloo processes (torch.multiprocessing.spawn): the exact
 global-batch gradient with counts [1, 2, 5], batch norm with unequal counts (one buffer broadcast per step on every
-rank, no hang), coverage under mid-epoch rebalancing, and the built-in trainer moving counts off a slow rank."""
+rank, no hang), coverage under mid-epoch rebalancing, and the built-in trainer moving counts off a slow rank.
+Here the cases that launch processes; those in one process: tests/unit/test_accumulation.py."""
 from __future__ import annotations
 
 import datetime

@@ -1,7 +1,8 @@
 """Issue 23 (Reliability III), the trainer's and the lab's side: the data set is what is on disk, writers never
 follow a link they did not create, every bad input is one line (exit 2) before any process group, a full disk
 says so, and nothing hangs. Each case goes through the command line (`--check`, make, the grid check) or the
-public API, as a user would meet it; a case that could hang runs in a subprocess with a timeout."""
+public API, as a user would meet it; a case that could hang runs in a subprocess with a timeout.
+Here the cases that launch processes; those in one process: tests/unit/test_adversarial.py."""
 from __future__ import annotations
 
 import os

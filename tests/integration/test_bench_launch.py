@@ -1,7 +1,8 @@
 """The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench)
 and the GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
 ratios are sane. No absolute times; the emulated slowdown (8x) is far larger than what a busy 2-core host does to
-one rank. The two smoke runs are in the slow tier (make test-all)."""
+one rank. The two smoke runs are in the slow tier (make test-all).
+Here the cases that launch processes; those in one process: tests/unit/test_bench.py."""
 from __future__ import annotations
 
 import importlib.util

@@ -1,6 +1,7 @@
 """hetero on FSDP2 (fully_shard, gloo on the CPU): the exact global-batch gradient at 2 and 3 ranks with unequal
 sizes, in micro-batch mode with unequal counts, with clipping and mixed precision; refusals in one line on every
-rank; the example (examples/fsdp_lm.py) under torchrun: coverage, the slow rank's share, the loss, a resume."""
+rank; the example (examples/fsdp_lm.py) under torchrun: coverage, the slow rank's share, the loss, a resume.
+Here the cases that launch processes; those in one process: tests/unit/test_fsdp.py."""
 from __future__ import annotations
 
 import datetime

@@ -1,4 +1,5 @@
-"""hetero.lab.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout."""
+"""hetero.lab.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout.
+Here the cases that launch processes; those in one process: tests/unit/test_grid.py."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Bad inputs (issue 12, items 3, 5, 6): a checked resume, grid parameter files, bad values, image folders and
-make variables. Each is one line `hetero: error: ...` and exit status 2, before any process group exists."""
+make variables. Each is one line `hetero: error: ...` and exit status 2, before any process group exists.
+Here the cases that launch processes; those in one process: tests/unit/test_inputs.py."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """One name per knob: Config's fields are the CLI flags, the Makefile's variables and the grid notebook's
-parameters, spelled the same way in each (`global_batch`, `--global-batch`, `GLOBAL_BATCH=`)."""
+parameters, spelled the same way in each (`global_batch`, `--global-batch`, `GLOBAL_BATCH=`).
+Here the cases that launch processes; those in one process: tests/unit/test_names.py."""
 from __future__ import annotations
 
 import ast

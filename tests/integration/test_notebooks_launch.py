@@ -1,5 +1,6 @@
 """The grid and report notebooks run headless with papermill; their tables match the run folders. Plus the
-analysis maths on hand-made run folders, and notebooks committed without outputs."""
+analysis maths on hand-made run folders, and notebooks committed without outputs.
+Here the cases that launch processes; those in one process: tests/unit/test_notebooks.py."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Reliability: bad input gives one line and exit 2; a dying worker never hangs the others; checkpoints are
-atomic; --resume continues without duplicated or missing epochs; --replay reproduces a run bit for bit."""
+atomic; --resume continues without duplicated or missing epochs; --replay reproduces a run bit for bit.
+Here the cases that launch processes; those in one process: tests/unit/test_reliability.py."""
 import json
 import os
 import signal

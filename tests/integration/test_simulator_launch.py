@@ -1,5 +1,6 @@
 """The simulator: its mechanics, the claims of the README (affine within 2% of the optimum after its first rebalance,
-the paper's rule needing epochs), the paper's own numbers, changing speeds, stability, 4096 workers, notebook."""
+the paper's rule needing epochs), the paper's own numbers, changing speeds, stability, 4096 workers, notebook.
+Here the cases that launch processes; those in one process: tests/unit/test_simulator.py."""
 
 import nbformat
 import pytest

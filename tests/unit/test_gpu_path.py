@@ -1,6 +1,7 @@
 """The GPU path, tested on the CPU (issue 16): emulated delays that really delay (with a fake GPU whose queued work
 finishes after the host moves on), the backend chosen from every rank's physical GPU, the probe's reading of
-cuDNN/cuBLAS allocation failures, and batches that reach the model in its memory format without extra copies."""
+cuDNN/cuBLAS allocation failures, and batches that reach the model in its memory format without extra copies.
+Here the cases in one process; those that launch processes: tests/integration/test_gpu_path_launch.py."""
 from __future__ import annotations
 
 import threading

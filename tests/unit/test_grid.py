@@ -1,4 +1,5 @@
-"""hetero.lab.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout."""
+"""hetero.lab.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout.
+Here the cases in one process; those that launch processes: tests/integration/test_grid_launch.py."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """The package's three layers, from its import graph: the core imports nothing from the integrations, the trainer or
 the lab; the integrations only the core; the trainer nothing from the lab. And the core alone loads none of the
-lab's or the trainer's libraries."""
+lab's or the trainer's libraries.
+Here the cases in one process; those that launch processes: tests/integration/test_layers_launch.py."""
 from __future__ import annotations
 
 import ast

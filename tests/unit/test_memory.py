@@ -1,5 +1,6 @@
 """Memory-aware limits: the largest-batch search, the probe's bookkeeping (on the CPU, with a model that raises
-CUDA's out-of-memory error above a size), `--max-batch probe` in the config and in a real run."""
+CUDA's out-of-memory error above a size), `--max-batch probe` in the config and in a real run.
+Here the cases in one process; those that launch processes: tests/integration/test_memory_launch.py."""
 from __future__ import annotations
 
 import math

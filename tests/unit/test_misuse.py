@@ -1,7 +1,8 @@
 """The library as users misuse it: ranks whose Balances disagree, a loop counting its own micro-batches, an optimizer
 step on gradients that were not all-reduced, a step without attach, a loader peeked at, bad arguments. Each stops
 every rank with the same one line (never a socket error, a hang or a silently wrong run). Two-rank cases run as gloo
-processes started by torch.multiprocessing.spawn; each rank writes what it saw to a JSON file."""
+processes started by torch.multiprocessing.spawn; each rank writes what it saw to a JSON file.
+Here the cases in one process; those that launch processes: tests/integration/test_misuse_launch.py."""
 from __future__ import annotations
 
 import pytest

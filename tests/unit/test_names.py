@@ -1,5 +1,6 @@
 """One name per knob: Config's fields are the CLI flags, the Makefile's variables and the grid notebook's
-parameters, spelled the same way in each (`global_batch`, `--global-batch`, `GLOBAL_BATCH=`)."""
+parameters, spelled the same way in each (`global_batch`, `--global-batch`, `GLOBAL_BATCH=`).
+Here the cases in one process; those that launch processes: tests/integration/test_names_launch.py."""
 from __future__ import annotations
 
 from dataclasses import fields

@@ -1,5 +1,6 @@
 """The grid and report notebooks run headless with papermill; their tables match the run folders. Plus the
-analysis maths on hand-made run folders, and notebooks committed without outputs."""
+analysis maths on hand-made run folders, and notebooks committed without outputs.
+Here the cases in one process; those that launch processes: tests/integration/test_notebooks_launch.py."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Reliability: bad input gives one line and exit 2; a dying worker never hangs the others; checkpoints are
-atomic; --resume continues without duplicated or missing epochs; --replay reproduces a run bit for bit."""
+atomic; --resume continues without duplicated or missing epochs; --replay reproduces a run bit for bit.
+Here the cases in one process; those that launch processes: tests/integration/test_reliability_launch.py."""
 
 import pytest
 import torch

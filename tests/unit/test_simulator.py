@@ -1,5 +1,6 @@
 """The simulator: its mechanics, the claims of the README (affine within 2% of the optimum after its first rebalance,
-the paper's rule needing epochs), the paper's own numbers, changing speeds, stability, 4096 workers, notebook."""
+the paper's rule needing epochs), the paper's own numbers, changing speeds, stability, 4096 workers, notebook.
+Here the cases in one process; those that launch processes: tests/integration/test_simulator_launch.py."""
 
 import numpy as np
 import pytest

@@ -62,7 +62,7 @@ KERNEL := $(VENV)/share/jupyter/kernels/hetero/kernel.json
 # from Python, grids and benchmarks, get the same from hetero.lab.launch.clean_env.)
 OMP_NUM_THREADS ?= 1
 
-.PHONY: help install experiment test test-slow test-all clean-venv
+.PHONY: help install experiment test test-slow test-all lint clean-venv
 help:  ## list the targets and the config fields (meaning, choices, default)
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 14
 	@echo; echo "Variables (any other is refused):"; echo "  $(SETTINGS)"
@@ -91,8 +91,11 @@ test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; docs/getting
 test-slow: $(STAMP)  ## only the slow tier (real CIFAR-10 images, benchmark smoke tests, ...)
 	$(BIN)/python -m pytest -q -m slow tests
 
-test-all: $(STAMP)  ## both tiers (what .ci/run runs)
+test-all: $(STAMP)  ## both tiers (what .ci/run runs; tests/unit one process, tests/integration launches)
 	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)  ## ruff check . (rules in pyproject's [tool.ruff]; no formatter: the code is formatted by hand)
+	$(BIN)/ruff check .
 
 # --- grids and reports (notebooks) ---
 # make grid PARAMS=notebooks/params/paper.yaml [GRID=name] [EPOCHS=3 SEED='[0, 1]' ...]: papermill runs

@@ -37,11 +37,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hetero, wherever python started
 from gpu_parts import GPU, SKIPPED, SMOKE, Sizes, markdown, probe, raw_samples_s  # noqa: E402
-from hetero.trainer.cli import CliParser  # noqa: E402
-from hetero.lab.launch import ROOT, clean_env, torchrun_cmd  # noqa: E402
-from hetero.lab.measure import (LaunchError, add_speedup_vs_sync, launch, read_rows, run_meta,  # noqa: E402
-                            steady_epoch_s, steady_epochs)
+
 from hetero.core.partition import SCHEMES  # noqa: E402
+from hetero.lab.launch import ROOT, clean_env, torchrun_cmd  # noqa: E402
+from hetero.lab.measure import (  # noqa: E402
+    LaunchError,
+    add_speedup_vs_sync,
+    launch,
+    read_rows,
+    run_meta,
+    steady_epoch_s,
+    steady_epochs,
+)
+from hetero.trainer.cli import CliParser  # noqa: E402
 
 PARTS = ("throughput", "delay", "mixed", "pair", "probe", "fast")  # by importance: later ones may run out of time
 EXTRA_PATH: list[str] = []  # a stand-in tqdm, when the GPU machine's python lacks it (see preflight)

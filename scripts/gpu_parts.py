@@ -87,7 +87,7 @@ def raw_samples_s(name: str, s: Sizes, sync_each: bool, fast: bool = False) -> f
         step()
     sync()
     rate = s.batch * s.raw_steps / (time.perf_counter() - t0)
-    del model, opt, x, y
+    model = opt = x = y = None  # let the step's tensors go before empty_cache (step() holds these names)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rate

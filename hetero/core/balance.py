@@ -32,8 +32,8 @@ emulated slow rank (`emulate`) or recorded sizes (`replay`) before attach.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch

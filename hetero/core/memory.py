@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

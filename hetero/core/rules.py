@@ -3,7 +3,7 @@ functions before any process starts, naming them as flags (`spell`); the Balance
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 Spell = Callable[[str], str]
 

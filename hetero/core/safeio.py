@@ -12,8 +12,9 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 # The limits of a path's text before the system says "File name too long" (pathconf where it answers).
 NAME_MAX, PATH_MAX = 255, 4096

@@ -8,7 +8,8 @@ not-yet-seen part of the permutation is simply cut differently: nothing is repea
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,7 +47,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan); with a
     micro_batch m, the slice in k_r micro-batches of m (each rank's slice is a whole number of them)."""
 
-    def __init__(self, balance: "Balance", n_samples: int, seed: int):
+    def __init__(self, balance: Balance, n_samples: int, seed: int):
         self.balance, self.n_samples, self.seed = balance, n_samples, seed
 
     def __len__(self) -> int:

@@ -87,8 +87,8 @@ def checks(res: dict) -> list[dict]:
     for world in sorted({r["world"] for r in summ}):
         if dp := [r["over_ideal"] for r in summ
                   if r["scheme"] in ("dp", "edp") and r["world"] == world and r.get("kind", "slowdown") == "slowdown"]:
-            out.append({"target": f"dp/edp steady epoch time <= 1.10 x ideal, {world} ranks, slowdowns", "value": max(dp),
-                        "pass": max(dp) <= 1.10})
+            out.append({"target": f"dp/edp steady epoch time <= 1.10 x ideal, {world} ranks, slowdowns",
+                        "value": max(dp), "pass": max(dp) <= 1.10})
     if sy := [r["over_sync_bound"] for r in summ if r["scheme"] == "sync"]:
         worst = max(sy, key=lambda v: abs(v - 1))
         out.append({"target": "sync epoch time within 10% of the slowest-rank bound", "value": worst,
@@ -106,7 +106,8 @@ def checks(res: dict) -> list[dict]:
             out.append({"target": "affine ahead of dp in the constant-delay rows (largest affine - dp)",
                         "value": max(r["affine"] - r["dp"] for r in delay), "pass": all(r["ahead"] for r in delay)})
     if ov := res.get("overhead"):
-        out.append({"target": "trainer step <= 1.03 x plain DDP step", "value": ov["ratio"], "pass": ov["ratio"] <= 1.03})
+        out.append({"target": "trainer step <= 1.03 x plain DDP step", "value": ov["ratio"],
+                    "pass": ov["ratio"] <= 1.03})
         out.append({"target": "api step <= 1.01 x plain DDP step (same DataLoader)", "value": ov["api_ratio"],
                     "pass": ov["api_ratio"] <= 1.01})
     if fs := res.get("fsdp_overhead"):
@@ -138,11 +139,12 @@ def table(res: dict) -> str:
         lines += [f"## Balance efficiency (steady-state epoch time over ideal = steps x (T* + all-reduce); median of "
                   f"{n} run{'s' * (n > 1)}, [min-max])", ""]
         lines += markdown_table(
-            ["ranks", "B", "last rank", "scheme", "/ ideal", "simulated", "/ sync bound", "speedup vs sync", "predicted", "jitter",
-             "misallocation", "size changes", "shares"],
+            ["ranks", "B", "last rank", "scheme", "/ ideal", "simulated", "/ sync bound", "speedup vs sync",
+             "predicted", "jitter", "misallocation", "size changes", "shares"],
             [[r["world"], r["global_batch"], r["effect"], r["scheme"],
               f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
-              _simulated(r), f"{r['over_sync_bound']:.3f}", "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
+              _simulated(r), f"{r['over_sync_bound']:.3f}",
+              "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
               f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", f"{r['misallocation']:.3f}",
               f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])]
              for r in summ])
@@ -177,7 +179,8 @@ def table(res: dict) -> str:
     if hf := res.get("hf"):
         lines += ["## Hugging Face Trainer (no heterogeneity, 2 ranks, tiny GPT-2)", "",
                   f"HeteroTrainer (edp, rebalancing every {hf['rebalance_every']} steps) "
-                  f"{1e3 * hf['hetero_step_s']:.2f} ms/step, transformers.Trainer {1e3 * hf['plain_step_s']:.2f} ms/step: ratio {hf['ratio']:.3f} "
+                  f"{1e3 * hf['hetero_step_s']:.2f} ms/step, "
+                  f"transformers.Trainer {1e3 * hf['plain_step_s']:.2f} ms/step: ratio {hf['ratio']:.3f} "
                   f"(median of {len(hf['pair_ratios'])} back-to-back run pairs of {hf['steps']} steps; of medians "
                   f"{hf['ratio_of_medians']:.3f}), {hf['extra_ms_per_step']:+.2f} ms per step", ""]
     if res.get("balancer"):
@@ -233,7 +236,8 @@ def listed(kind: type):
 
 def main(argv: list[str] | None = None) -> int:
     p = CliParser(prog="python -m hetero.lab.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="2 ranks, sync/dp/edp, slowdowns only, one run each, shorter runs, one overhead launch")
+    p.add_argument("--quick", action="store_true",
+                   help="2 ranks, sync/dp/edp, slowdowns only, one run each, shorter runs, one overhead launch")
     p.add_argument("--out", default="", help="output folder (default runs/bench/<time>)")
     p.add_argument("--worlds", type=listed(int), help="rank counts, e.g. 2,4")
     p.add_argument("--slowdowns", type=listed(float), help="e.g. 2,4")

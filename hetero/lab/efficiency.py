@@ -32,7 +32,7 @@ def affinity(world: int, pin: bool) -> str:
     return ",".join(str(cores[r * len(cores) // world]) for r in range(world))
 
 
-def train(suite: "Suite", out: Path, name: str, world: int, scheme: str, hetero: str, notes: list[str]) -> Path:
+def train(suite: Suite, out: Path, name: str, world: int, scheme: str, hetero: str, notes: list[str]) -> Path:
     """One trainer run under torchrun (tiny model, synthetic data, one thread per rank); its run folder."""
     run_dir = out / "runs" / name
     launch(torchrun_cmd(world, [
@@ -73,7 +73,7 @@ def calibrate(global_batch: int, rounds: int = 10) -> tuple[float, float]:
     return max(float(fixed), 0.0), float(per)
 
 
-def effects(suite: "Suite", world: int, calib: tuple[float, float]) -> list[tuple[str, str, str]]:
+def effects(suite: Suite, world: int, calib: tuple[float, float]) -> list[tuple[str, str, str]]:
     """(kind, label, --hetero) of each heterogeneity the suite runs on the last rank: slowdowns, then constant
     delays of F x the calibrated step at an equal share."""
     last, equal_s = world - 1, calib[0] + calib[1] * suite.batch_per_rank
@@ -137,7 +137,7 @@ def _sleeps(hetero: str, walls: np.ndarray, slept: np.ndarray, on: np.ndarray) -
     return factor, delay
 
 
-def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str, str, str], scheme: str, repeat: int,
+def measure_row(suite: Suite, out: Path, calib, world: int, effect: tuple[str, str, str], scheme: str, repeat: int,
                 notes: list[str]) -> dict:
     """One run of one row: its steady epoch time against its own ideal and slowest-rank bound."""
     name = f"balance-w{world}-{effect[2].split(':')[1].replace('=', '')}-{scheme}-r{repeat}" + (
@@ -147,7 +147,7 @@ def measure_row(suite: "Suite", out: Path, calib, world: int, effect: tuple[str,
     return read_row(suite, d, calib, world, effect, scheme, repeat)
 
 
-def read_row(suite: "Suite", d: Path, calib, world: int, effect: tuple[str, str, str], scheme: str,
+def read_row(suite: Suite, d: Path, calib, world: int, effect: tuple[str, str, str], scheme: str,
              repeat: int) -> dict:
     """A finished run folder's row (measure_row's figures; also for re-reading a bench whose report was lost)."""
     import pandas as pd
@@ -175,7 +175,7 @@ def read_row(suite: "Suite", d: Path, calib, world: int, effect: tuple[str, str,
             "simulated": sim["simulated"], "replay": sim, "run_dir": str(d)}
 
 
-def balance(suite: "Suite", out: Path, calib: tuple[float, float], notes: list[str]) -> list[dict]:
+def balance(suite: Suite, out: Path, calib: tuple[float, float], notes: list[str]) -> list[dict]:
     """Every row (world x heterogeneity x scheme), `suite.repeats` times; a repeat runs the whole suite once, so
     the host's drift falls on every row alike."""
     rows = []
@@ -205,7 +205,8 @@ def summary(rows: list[dict]) -> list[dict]:
                     "speedup_vs_sync": med("speedup_vs_sync"), "predicted_speedup": med("predicted_speedup"),
                     "jitter": med("jitter"), "misallocation": med("misallocation"),
                     "size_changes": med("size_changes"), "simulated": med("simulated"),
-                    "simulated_sd": float(np.median([r["replay"]["simulated_sd"] for r in rs if r.get("replay")] or [0])),
+                    "simulated_sd": float(np.median([r["replay"]["simulated_sd"] for r in rs if r.get("replay")]
+                                                    or [0])),
                     "shares": rs[-1]["shares"], "affinity": rs[0]["affinity"]})
     return out
 

@@ -1,8 +1,9 @@
-"""The API's step over plain FSDP2's (part `fsdp` of `make bench`): 2 CPU ranks, no heterogeneity, the same model
+r"""The API's step over plain FSDP2's (part `fsdp` of `make bench`): 2 CPU ranks, no heterogeneity, the same model
 (an MLP stack, each block and the root fully_shard'ed), data, optimiser and DataLoader settings, in the same
 processes, taking turns step by step (which goes first alternates), so load from elsewhere falls on both alike.
 
-    torchrun --standalone --nproc-per-node=2 -m hetero.lab.fsdp_overhead --out FILE --subset N --global-batch B --epochs E
+    torchrun --standalone --nproc-per-node=2 -m hetero.lab.fsdp_overhead \
+        --out FILE --subset N --global-batch B --epochs E
 """
 from __future__ import annotations
 

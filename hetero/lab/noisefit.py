@@ -6,7 +6,8 @@ hetero.lab.coupled); the replay puts the emulated slowdown (a factor on the jitt
 Fitted per rank: the spread and skew of log jitter, its lag-1 autocorrelation within an epoch, and the correlation
 across ranks at one step (ranks sharing a core). The replay draws the jitter by a circular block bootstrap of whole
 steps (every rank at once), so the tail, the time correlation within a block and the cross-rank correlation are the
-run's own; `NoiseFit.ar1` is the parametric alternative (correlated Gaussian AR(1) on log jitter: no skew). README: "Replaying a bench run".
+run's own; `NoiseFit.ar1` is the parametric alternative (correlated Gaussian AR(1) on log jitter: no skew).
+README: "Replaying a bench run".
 """
 from __future__ import annotations
 
@@ -72,7 +73,8 @@ class NoiseFit:
         rank's mean jitter per epoch (the host's load changing between epochs)."""
         off = self.corr[~np.eye(self.world, dtype=bool)]
         per_epoch = pd.DataFrame(self.jitter).groupby(self.epoch).mean()
-        return {"epoch_drift": float(per_epoch.std(ddof=0).max()) if len(per_epoch) > 1 else 0.0,"sigma": self.sigma.round(4).tolist(), "skew": self.skew.round(3).tolist(),
+        return {"epoch_drift": float(per_epoch.std(ddof=0).max()) if len(per_epoch) > 1 else 0.0,
+                "sigma": self.sigma.round(4).tolist(), "skew": self.skew.round(3).tolist(),
                 "phi": self.phi.round(3).tolist(), "corr": self.corr.round(3).tolist(),
                 "mean_cross_corr": float(off.mean()) if off.size else 0.0, "steps": int(len(self.epoch))}
 

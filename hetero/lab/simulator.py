@@ -66,13 +66,13 @@ class Scenario:
         return np.zeros(self.world) if hasattr(self.noise, "sample") else self.noise
 
     @classmethod
-    def uniform(cls, n: int, cost: str = "vgg16-paper", **kw) -> "Scenario":
+    def uniform(cls, n: int, cost: str = "vgg16-paper", **kw) -> Scenario:
         """n identical workers with one of COSTS; heterogeneity comes from `hetero`."""
         a, c = COSTS[cost]
         return cls(np.full(n, a), np.full(n, c), **kw)
 
     @classmethod
-    def mixed(cls, n: int, cost: str = "vgg16-h200", seed: int = 0, **kw) -> "Scenario":
+    def mixed(cls, n: int, cost: str = "vgg16-h200", seed: int = 0, **kw) -> Scenario:
         """n workers of mixed hardware: fixed costs 1-2x and per-sample costs 1-4x one of COSTS, and a quarter
         of them carrying a constant delay of half the fixed cost per step."""
         rng = np.random.default_rng(seed)
@@ -240,7 +240,7 @@ def sweep(scenarios: dict[str, Scenario], schemes=("sync", "dp", "affine"), per:
     frames = []
     for label, extra in (variants or {"": {}}).items():
         for name, sc in scenarios.items():
-            for scheme, res in compare(sc, schemes, **{**kw, **extra}).items():
+            for res in compare(sc, schemes, **{**kw, **extra}).values():
                 df = {"epoch": res.epochs_frame, "step": res.steps_frame, "share": res.shares_frame}[per]()
                 frames.append(df.assign(scenario=name, **({"variant": label} if variants else {})))
     df = pd.concat(frames, ignore_index=True)

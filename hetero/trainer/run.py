@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except BaseException as e:  # noqa: BLE001 - mark the run failed whatever stopped it, then re-raise or exit
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        msg = str(e) if isinstance(e, (TrainingError, HeteroError, SystemExit, DiskError)) else f"{type(e).__name__}: {e}"
+        plain = isinstance(e, (TrainingError, HeteroError, SystemExit, DiskError))  # lines meant for the user
+        msg = str(e) if plain else f"{type(e).__name__}: {e}"
         if started and trainer is not None and trainer.folder is not None:  # rank 0, holding the lock
             try:
                 trainer.folder.write_json("summary.json", trainer.summary("failed", msg))

@@ -1,0 +1,151 @@
+"""Shared test helpers (`from helpers import ...`; pyproject puts tests/ on the path): run the real command line
+(python -m hetero.trainer, under torchrun) in a subprocess, read a run folder back, replay its decisions."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from hetero.core.balancer import Balancer
+from hetero.core.partition import SCHEMES
+from hetero.lab.launch import ROOT, clean_env, torchrun_cmd
+from hetero.trainer.config import Config
+from hetero.trainer.run import main
+
+CIFAR_JPG = ROOT.parent / "shared" / "data" / "cifar10-jpg"
+
+# Small, fast defaults for CPU runs: tiny model, synthetic data, no augmentation noise in timing.
+TINY = ["--model", "tiny", "--data", "synthetic", "--subset", "2048", "--test-subset", "512",
+        "--global-batch", "128", "--epochs", "2"]
+
+
+class Indexed(Dataset):
+    """n random 8-vectors with labels i % 3 and their own index (the tests record which samples a rank saw)."""
+    def __init__(self, n: int):
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], i % 3, i
+
+
+def sgd_step(model, lr: float = 0.5) -> list[torch.Tensor]:
+    """One plain SGD step on the gradients already in `model`; its parameters, flattened (reference updates)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+def max_diff(got: list, want: list[torch.Tensor]) -> float:
+    """Largest absolute difference between parameters as lists (from a rank's JSON) and as tensors."""
+    return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
+
+
+def _env() -> dict[str, str]:
+    return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
+
+
+def run_train(args: list[str], nproc: int = 1, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
+    """`python -m hetero.trainer ARGS` (nproc=0) or
+    `torchrun --standalone --nproc-per-node=N -m hetero.trainer ARGS`."""
+    cmd = [sys.executable, "-m", "hetero.trainer", *args] if nproc == 0 else torchrun_cmd(nproc, args)
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n"
+                             f"--- stderr\n{p.stderr[-6000:]}")
+    return p
+
+
+def read_run(run_dir: Path) -> dict:
+    """The run folder's tables and JSON files."""
+    # floats read back exactly as written (Python's repr), so recorded times replay exactly: pandas 3 does so by
+    # default (and deprecates the option); older pandas needs round_trip
+    exact = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
+    out = {t: pd.read_csv(run_dir / f"{t}.csv", **exact) for t in ("epochs", "ranks", "steps")}
+    out["summary"] = json.loads((run_dir / "summary.json").read_text())
+    out["config"] = json.loads((run_dir / "config.json").read_text())
+    return out
+
+
+def replay_decisions(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(recorded, replayed) batch sizes [epochs * steps, world]: a fresh Balancer is fed the run's own recorded
+    per-step compute times at the trainer's decision points (every REBALANCE_EVERY steps and at epoch ends). Equal
+    arrays prove the trainer decides from what it measured, whatever the machine's speed or noise."""
+    r = read_run(run_dir)
+    cfg, world = Config(**r["config"]["config"]), r["config"]["world_size"]
+    bal = Balancer(SCHEMES[cfg.scheme].rule, world, cfg.global_batch, cfg.min_batch, cfg.max_batches(world),
+                   cfg.smoothing, cfg.deadband, cfg.significance, sit_out=cfg.sit_out)
+    recorded, replayed = [], []
+    for _, ep in r["steps"].groupby("epoch"):
+        sizes = ep.pivot(index="step", columns="rank", values="batch_size").to_numpy()
+        times = ep.pivot(index="step", columns="rank", values="compute_s").to_numpy()
+        last = 0
+        for step in range(len(sizes)):
+            if cfg.rebalance_every and step and step % cfg.rebalance_every == 0:
+                bal.observe(sizes[last:step], times[last:step])
+                bal.decide()
+                last = step
+            replayed.append(np.array(bal.sizes_for_step(step)))
+        bal.observe(sizes[last:], times[last:])
+        bal.decide()
+        recorded.append(sizes)
+    return np.concatenate(recorded), np.stack(replayed)
+
+
+# -- in-process checks and make, shared by the input and adversarial tests ----------------------------------------
+SMALL = ["--model", "tiny", "--data", "synthetic", "--subset", "512", "--test-subset", "256", "--global-batch", "128",
+         "--threads", "1"]
+
+
+def check(args: list[str], monkeypatch, capsys, world: int = 1, check_only: bool = True) -> tuple[int, list[str]]:
+    """main() in this process (no torchrun, no process group): its exit status and its stderr lines."""
+    for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    try:
+        rc = main((["--check"] if check_only else []) + args)
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    return rc, err
+
+
+def assert_one_line(rc: int, err: list[str], text: str) -> None:
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("hetero: error: ") and text in err[0], err[0]
+
+
+def image_folder(root: Path) -> Path:
+    """root/{train,test}/{cat,dog}/{0,1,2}.jpg: a tiny valid image folder (32 px, seeded)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for part in ("train", "test"):
+        for c in ("cat", "dog"):
+            (root / part / c).mkdir(parents=True)
+            for i in range(3):
+                Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(root / part / c / f"{i}.jpg")
+    return root
+
+
+VENV = Path(sys.executable).parents[1]
+
+
+def run_make(*args: str) -> subprocess.CompletedProcess:
+    """make in this checkout with this interpreter's venv, never (re)installing it."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    return subprocess.run(["make", "-s", f"VENV={VENV}", "-o", f"{VENV}/.installed", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=240)

@@ -1,0 +1,141 @@
+"""The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench)
+and the GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
+ratios are sane. No absolute times; the emulated slowdown (8x) is far larger than what a busy 2-core host does to
+one rank. The two smoke runs are in the slow tier (make test-all).
+Here the cases that launch processes; those in one process: tests/unit/test_bench.py."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hetero.lab import measure
+
+from helpers import ROOT, _env
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+def test_bench_quickest(tmp_path):
+    out = tmp_path / "bench"
+    p = _run([sys.executable, "-m", "hetero.lab.bench", "--quick", "--out", str(out), "--worlds", "2",
+              "--slowdowns", "8", "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
+              "--overhead-epochs", "2", "--max-workers", "16", "--hf-runs", "1", "--hf-steps", "6"], timeout=360)
+    res = json.loads((out / "bench.json").read_text())
+    assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
+    assert res["meta"]["suite"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.lab.bench")
+
+    (r,) = res["balance"]
+    assert (r["world"], r["kind"], r["hetero"], r["scheme"], r["speedup_vs_sync"]) == (2, "slowdown", "1:slowdown=8",
+                                                                                         "edp", None)
+    assert ([(s["scheme"], s["repeats"], s["over_ideal"]) for s in res["balance_summary"]]
+            == [("edp", 1, r["over_ideal"])])
+    assert (r["global_batch"], r["steps"]) == (64, 8)
+    assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("over_ideal", "over_sync_bound")) and r["jitter"] >= 0
+    assert abs(sum(r["shares"]) - 1) < 0.01  # over_ideal, over_sync_bound: hardware figures, only finite
+    assert r["shares"][1] < 0.5  # the slowed rank (the last) was given less work
+    m = r["cost_model"]
+    assert m["scale"][1] > m["scale"][0] and m["ideal_sizes"][1] < m["ideal_sizes"][0]
+    assert m["ideal_step_s"] < m["sync_step_s"] and sum(m["ideal_sizes"]) == 64
+    assert r["predicted_speedup"] > 1.1  # an 8x slower rank: balancing must be predicted to pay
+    rep = r["replay"]  # the run replayed in the simulator with its own jitter: same measured figure, a finite guess
+    assert rep["measured"] == pytest.approx(r["over_ideal"]) and math.isfinite(r["simulated"]) and r["simulated"] > 0.9
+    assert len(rep["noise"]["sigma"]) == 2 and "simulated" in (out / "table.md").read_text()
+
+    ov = res["overhead"]
+    assert math.isfinite(ov["ratio"]) and ov["ratio"] > 0 and len(ov["pair_ratios"]) == len(ov["step_s"]["plain"]) == 1
+    assert math.isfinite(ov["api_ratio"]) and ov["api_ratio"] > 0
+    assert len(ov["api_pair_ratios"]) == len(ov["step_s"]["ddp_loader"]) == 1
+
+    fs = res["fsdp_overhead"]
+    assert math.isfinite(fs["ratio"]) and fs["ratio"] > 0 and len(fs["pair_ratios"]) == 8  # epoch 1's steps
+    dec = res["balancer"]
+    assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
+                                                        for n in (2, 4, 8, 16)}
+    assert all(r["decision_ms"] > 0 for r in dec)
+    hf = importlib.util.find_spec("transformers") is not None  # the [hf] extra: its part runs, or is noted
+    if hf:
+        assert res["hf"]["ratio"] > 0 and len(res["hf"]["pair_ratios"]) == 1
+    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api", *["hf"] * hf}
+    assert (r["affinity"] == "") == (len(os.sched_getaffinity(0)) >= 2)  # pinned only when oversubscribed
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path):
+    out = tmp_path / "gpu" / "check.json"
+    _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--pair-hetero", "1:slowdown=8",
+          "--out", str(out), "--work-dir", str(tmp_path / "work")], timeout=900)  # a hang guard (slow when loaded)
+    res = json.loads(out.read_text())
+    assert out.with_suffix(".md").read_text().startswith("# GPU check")
+    for part in ("throughput", "fast"):  # float32, then bf16 autocast + channels-last
+        (tp,) = res[part]
+        assert "error" not in tp and tp["model"] == "tiny"
+        assert all(tp[k] > 0 for k in ("raw_samples_s", "raw_synced_samples_s", "trainer_samples_s",
+                                        "trainer_over_raw"))
+    (edp,) = res["pair"]["rows"]
+    assert "error" not in edp and edp["scheme"] == "edp" and len(edp["shares"]) == 2
+    assert edp["shares"][1] < edp["shares"][0]  # rank 1 is the slowed one
+    mixed = res["mixed"]["rows"]  # on the CPU: two CPU ranks stand in for the GPU + CPU job
+    assert [r["scheme"] for r in mixed] == ["sync", "edp", "affine"] and not any("error" in r for r in mixed)
+    assert mixed[1]["speedup_vs_sync"] > 0 and abs(sum(mixed[2]["shares"]) - 1) < 0.01
+    assert res["probe"] == {**res["probe"], "max_batch": None, "step_at_max_fits": True}  # CPU: no limit
+    d = res["delay"]  # two ranks, rank 1 delayed 20 ms a step: the delay is part of its recorded compute
+    assert "error" not in d and d["delay_s"][0] == 0 and math.isclose(d["delay_s"][1], 0.02) and d["steps"] == 8
+    assert d["compute_s"][1] >= d["delay_s"][1]
+
+
+@pytest.mark.parametrize("argv", [["--schemes", "edp,nope"], ["--parts", "pair,x"]])
+def test_gpu_check_bad_input_is_one_line_and_status_2(argv, tmp_path):
+    p = subprocess.run([sys.executable, "scripts/gpu_check.py", "--smoke", "--out", str(tmp_path / "x.json"), *argv],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("hetero: error: unknown ") and p.stderr.count("\n") == 1
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_launch_keeps_the_log_and_names_it_with_its_tail(tmp_path):
+    log, py = tmp_path / "logs" / "x.log", sys.executable
+    with pytest.raises(measure.LaunchError, match=r"exited 3 \(log .*x.log\):\n(.|\n)*out of cheese"):
+        measure.launch([py, "-c", "print('hello'); print('out of cheese'); raise SystemExit(3)"], log, 60)
+    assert log.read_text().splitlines()[1:] == ["hello", "out of cheese"] and log.read_text().startswith(py)
+    done, notes = tmp_path / "done.json", []
+    done.write_text(json.dumps({"status": "completed"}))
+    measure.launch([py, "-c", "raise SystemExit(1)"], log, 60, done=done, notes=notes)  # work done: kept
+    assert len(notes) == 1 and "exited 1 after finishing" in notes[0]
+    with pytest.raises(measure.LaunchError, match="ran past 1 s"):
+        measure.launch([py, "-c", "import time; time.sleep(30)"], log, 1)
+
+
+@pytest.mark.parametrize("argv", [["hetero.lab.bench", "--worlds", "1"], ["hetero.lab.bench", "--parts", "x"],
+                                  ["hetero.lab.bench", "--slowdowns", "two"], ["hetero.lab.simbench", "--noise", "-1"],
+                                  ["hetero.lab.overhead", "--out", "x", "--subset", "1", "--global-batch", "4",
+                                   "--epochs", "3"]])
+def test_bad_input_is_one_line_and_status_2(argv):
+    p = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("hetero: error: ") and p.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("target,knobs,module", [("bench", {"QUICK": "1", "OUT": "x"}, "hetero.lab.bench"),
+                                                 ("sim-bench", {"NOISE": "0.02"}, "hetero.lab.simbench")])
+def test_make_knobs_are_the_flags_of_the_same_name(target, knobs, module):
+    make = subprocess.run(["make", "-n", target, "STAMP=", *(f"{k}={v}" for k, v in knobs.items())], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60).stdout
+    helptext = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, env=_env(), capture_output=True,
+                              text=True, timeout=60).stdout
+    for k in knobs:
+        flag = "--" + k.lower().replace("_", "-")
+        # values reach the shell through the environment (a quote in a value runs nothing), flags keep the names
+        assert (f'{flag} "${k}"' in make or f'{flag} "${k}"' in make.replace("${" + k + ":+", "")
+                if k != "QUICK" else flag in make) and flag in helptext

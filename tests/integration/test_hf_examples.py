@@ -1,0 +1,88 @@
+"""The Hugging Face examples under torchrun on 2 CPU ranks (gloo), a tiny GPT-2 on docs/trainer.md's characters, rank 1
+emulated 3x slower and rebalancing every 5 steps (the Trainer's with 2 DataLoader workers): every sample of each
+epoch is consumed exactly once across the ranks, the slow rank's share falls well below a half, and the loss falls
+as the same script's without hetero. A Trainer run stopped after a save_steps checkpoint resumes with hetero's
+sizes and coverage intact. (The exact gradient in both loss conventions is proved in test_hf.py.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetero.lab.launch import clean_env
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.slow  # the Hugging Face examples under torchrun and accelerate launch
+
+pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
+SUBSET, B, STEPS = 320, 32, 10  # steps per epoch
+ARGS = ["--text", str(ROOT / "docs" / "trainer.md"), "--subset", str(SUBSET), "--global-batch", str(B), "--epochs", "2"]
+HETERO = ["--hetero", "1:slowdown=3", "--rebalance-every", "5"]
+
+
+def _launch(script: str, tmp_path, *extra: str, name: str = "rec", launcher: list[str] | None = None) -> list[dict]:
+    env = {**clean_env(threads="1"), "HF_HUB_OFFLINE": "1"}
+    cmd = [*(launcher or [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "--log-dir=/dev/null"]), str(ROOT / "examples" / script), *ARGS, *extra,
+           "--record", str(tmp_path / name)]
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, f"{script} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check(ranks: list[dict], base: list[dict]) -> None:
+    for epoch in ("0", "1"):
+        seen = ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]
+        assert sorted(seen) == list(range(SUBSET)), f"epoch {epoch}: not every sample exactly once"
+    d = ranks[0]["decisions"]
+    assert d == ranks[1]["decisions"] and len(d) == 4            # steps 4 and 9 of each epoch, the same on both
+    assert d[-1]["shares"][1] < 0.4 and d[-1]["sizes"][1] < B // 2 - 4   # the slow rank: well below a half
+    losses, baseline = ranks[0]["losses"], base[0]["losses"]
+    assert losses[-1] < 0.9 * losses[0] and baseline[-1] < 0.9 * baseline[0]
+    assert abs(losses[-1] - baseline[-1]) < 0.1 * baseline[-1], f"loss {losses} against the baseline's {baseline}"
+
+
+def test_trainer_example_covers_every_sample_moves_shares_and_learns_like_the_trainer(tmp_path):
+    """With 2 DataLoader workers running ahead (a decision takes effect at the first step no sampler has handed
+    out) and the Trainer's evaluation every 5 steps (eval_strategy="steps"), between hetero's steps."""
+    both = ["--eval-every", "5", "--workers", "2"]
+    ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--out", str(tmp_path / "out"), *both)
+    base = _launch("hf_trainer_baseline.py", tmp_path, "--out", str(tmp_path / "base"), *both, name="base")
+    _check(ranks, base)
+    evals, baseline = ranks[0]["eval_losses"], base[0]["eval_losses"]
+    assert len(evals) == len(baseline) == 2 * STEPS // 5 and evals[-1] < evals[0]
+    assert abs(evals[-1] - baseline[-1]) < 0.1 * baseline[-1]
+
+
+def test_accelerate_example_covers_every_sample_moves_shares_and_learns_like_the_loop(tmp_path):
+    _check(_launch("accelerate_loop.py", tmp_path, *HETERO), _launch("accelerate_loop_baseline.py", tmp_path,
+                                                                     name="base"))
+
+
+def test_accelerate_example_runs_under_accelerate_launch(tmp_path):
+    """`accelerate launch --multi_gpu` is accelerate's torchrun launcher; on CPU the script's Accelerator(cpu=True)
+    makes gloo ranks (`--cpu` would start one process)."""
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    ranks = _launch("accelerate_loop.py", tmp_path, *HETERO, "--epochs", "1", launcher=launcher)
+    assert sorted(ranks[0]["seen"]["0"] + ranks[1]["seen"]["0"]) == list(range(SUBSET))
+    assert ranks[0]["decisions"] == ranks[1]["decisions"] and len(ranks[0]["decisions"]) == 2
+
+
+def test_a_resumed_trainer_run_keeps_hetero_sizes_and_coverage(tmp_path):
+    """Stopped after the checkpoint at step 13 (epoch 1, step 3), resumed from it with resume_from_checkpoint."""
+    out = ["--out", str(tmp_path / "out"), *HETERO]
+    first = _launch("hf_trainer.py", tmp_path, *out, "--max-steps", "13", "--save-steps", "13", name="first")
+    assert (tmp_path / "out" / "checkpoint-13" / "hetero_balance.pt").is_file()
+    second = _launch("hf_trainer.py", tmp_path, *out, "--resume", name="second")
+    assert sorted(first[0]["seen"]["0"] + first[1]["seen"]["0"]) == list(range(SUBSET))
+    epoch1 = [i for run in (first, second) for rank in run for i in rank["seen"]["1"]]
+    assert sorted(epoch1) == list(range(SUBSET)), "the resumed epoch: not every sample exactly once"
+    decided = first[0]["decisions"][-1]["sizes"]                 # in force from step 10 on
+    assert decided[1] < B // 2 - 4                               # rebalanced before the checkpoint
+    assert [r["batches"][0] for r in second] == [[13, decided[0]], [13, decided[1]]]  # the resumed step's sizes
+    assert [r["batches"][-1][0] for r in second] == [2 * STEPS - 1] * 2

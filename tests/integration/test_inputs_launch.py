@@ -1,0 +1,204 @@
+"""Bad inputs (issue 12, items 3, 5, 6): a checked resume, grid parameter files, bad values, image folders and
+make variables. Each is one line `hetero: error: ...` and exit status 2, before any process group exists.
+Here the cases that launch processes; those in one process: tests/unit/test_inputs.py."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pandas as pd
+import pytest
+import torch
+
+from hetero.trainer.resume import RESUMABLE
+
+from helpers import ROOT, SMALL, _env, assert_one_line, check, run_make, run_train
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """--check creates the default run folder (runs/<time>-...): keep it out of the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
+# -- item 3: resume ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory) -> Path:
+    """A completed one-rank run of 2 epochs."""
+    run = tmp_path_factory.mktemp("resume") / "run"
+    run_train([*SMALL, "--epochs", "2", "--run-dir", str(run)], nproc=0)
+    return run
+
+
+def _copy(run: Path, tmp_path: Path, edit=None) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(run, dst)
+    if edit is not None:
+        text = (dst / "config.json").read_text()
+        (dst / "config.json").write_text(edit(text))
+    return dst
+
+
+def _with(field: str, value):
+    def edit(text: str) -> str:
+        meta = json.loads(text)
+        meta["config"][field] = value
+        return json.dumps(meta)
+    return edit
+
+
+CORRUPT = [
+    ("truncated", lambda t: t[: len(t) // 2], "its config.json is unreadable or truncated"),
+    ("empty", lambda t: "", "its config.json is unreadable or truncated"),
+    ("binary", lambda t: "\udcff", "its config.json is unreadable or truncated"),
+    ("a list", lambda t: "[1, 2]", "its config.json has no config record"),
+    ("unknown field", _with("learning_rate", 0.1), "unknown field(s) 'learning_rate'"),
+    ("wrong type", _with("epochs", "two"), "epochs must be a whole number"),
+    ("bad value", _with("model", "alexnet"), "unknown model 'alexnet'"),
+]
+
+
+@pytest.mark.parametrize("name,edit,text", CORRUPT, ids=[c[0] for c in CORRUPT])
+def test_resume_refuses_a_bad_config_json(name, edit, text, done_run, tmp_path, monkeypatch, capsys):
+    if name == "binary":
+        run = _copy(done_run, tmp_path)
+        (run / "config.json").write_bytes(b"\xff\xfe{")
+    else:
+        run = _copy(done_run, tmp_path, edit)
+    for check_only in (True, False):  # the same line whether --check or a real start
+        assert_one_line(*check(["--resume", str(run)], monkeypatch, capsys, check_only=check_only), text)
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"  # nothing was written
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_resume_refuses_another_world_size(world, done_run, monkeypatch, capsys):
+    rc, err = check(["--resume", str(done_run)], monkeypatch, capsys, world=world)
+    assert_one_line(rc, err, f"it ran on 1 rank(s) and this job has {world}")
+
+
+def test_resume_refuses_changed_flags_by_name(done_run, monkeypatch, capsys):
+    rc, err = check(["--resume", str(done_run), "--epochs", "4", "--lr", "0.5", "--scheme", "sync"], monkeypatch,
+                    capsys)
+    assert_one_line(rc, err, "with another --scheme (recorded 'edp'), --lr (recorded 0.1)")
+    assert "only --epochs, --timeout-s" in err[0] and "--epochs (" not in err[0]
+    for args, text in [(["--epochs", "1"], "--epochs 1: it has completed 2 epochs already"),
+                       (["--run-dir", str(done_run.parent / "elsewhere")], "a resumed run stays in its folder"),
+                       (["--overwrite"], "--resume and --overwrite contradict each other")]:
+        assert_one_line(*check(["--resume", str(done_run), *args], monkeypatch, capsys), text)
+
+
+def test_resume_accepts_allowed_and_unchanged_flags(done_run, monkeypatch, capsys):
+    allowed = ["--epochs", "5", "--timeout-s", "60", "--eval-batch", "100", "--threads", "1", "--device", "cpu",
+               "--backend", "gloo", "--data-dir", "data"]
+    same = ["--model", "tiny", "--lr", "0.1", "--scheme", "edp", "--subset", "512"]  # as recorded: no change
+    assert check(["--resume", str(done_run), *allowed, *same], monkeypatch, capsys) == (0, [])
+    assert {a[2:].replace("-", "_") for a in allowed[::2]} <= set(RESUMABLE)
+
+
+def test_resume_with_more_epochs_relays_the_cosine_schedule(done_run, tmp_path):
+    """The stated rule: after k epochs, epoch k+1 of a run extended to E epochs uses lr (1 + cos(pi k / E)) / 2."""
+    run = _copy(done_run, tmp_path)
+    run_train(["--resume", str(run), "--epochs", "4"], nproc=0)
+    epochs = pd.read_csv(run / "epochs.csv")
+    assert list(epochs["epoch"]) == [1, 2, 3, 4]
+    expected = [0.1, 0.05] + [0.1 * (1 + math.cos(math.pi * k / 4)) / 2 for k in (2, 3)]
+    assert epochs["lr"].to_numpy() == pytest.approx(expected)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["epochs"] == summary["epochs_completed"] == 4
+    assert json.loads((run / "config.json").read_text())["config"]["epochs"] == 4
+
+
+@pytest.mark.slow
+def test_resume_under_torchrun_with_another_world_is_one_line(done_run, tmp_path):
+    """Both ranks refuse before any process group; one line in all (local rank 0 speaks), the run untouched."""
+    run = _copy(done_run, tmp_path)
+    before = (run / "summary.json").read_text()
+    p = run_train(["--resume", str(run)], nproc=2, check=False, timeout=180)
+    assert p.returncode != 0
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "hetero: error:" in ln]
+    assert len(lines) == 1 and "it ran on 1 rank(s) and this job has 2" in lines[0], p.stderr[-3000:]
+    assert "Traceback" not in p.stderr.split("hetero: error:")[0]
+    assert (run / "summary.json").read_text() == before
+
+
+def _grid_check(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hetero.lab.grid", "--check", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+# -- item 5: grid parameter files --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_grid_check_prints_plain_lines(tmp_path):
+    params = tmp_path / "bad.yaml"
+    params.write_text("model: [tiny]\nepochz: 3\nepochs: 2.5\naugment: maybe\nglobal_batch: \"128\"\n")
+    p = _grid_check(["-f", str(params), "-p", "grid", "bad", "-p", "runs_root", str(tmp_path)])
+    assert p.returncode == 2 and p.stdout == ""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 4 and all(ln.startswith("hetero: error: ") for ln in lines), p.stderr
+    assert "did you mean 'epochs'" in lines[0]
+    for args, text in [(["-f", str(tmp_path / "none.yaml")], "cannot read the parameter file"),
+                       (["-y", "epochs: ["], "-y: not YAML"), (["-y", "[1, 2]"], "expected name: value lines")]:
+        p = _grid_check([*args, "-p", "grid", "x"])
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and text in p.stderr, p.stderr
+
+
+def test_grid_check_merges_like_papermill(tmp_path):
+    """-f, then -y, then -p (papermill's order and typing): the demo's file with make's overrides plans."""
+    p = _grid_check(["-f", str(ROOT / "notebooks/params/demo.yaml"), "-y", "epochs: 3", "-y", "seed: [0, 1, 2]",
+                     "-p", "nproc", "2", "-p", "grid", "demo", "-p", "runs_root", str(tmp_path)])
+    assert p.returncode == 0 and p.stdout.startswith("grid demo: 9 runs of 2 ranks"), p.stderr
+
+
+def test_grid_notebook_with_no_completed_run_shows_no_traceback(tmp_path, monkeypatch):
+    """Every run stopped by run_timeout_s before its first epoch: the results cells say so and the notebook ends."""
+    import papermill as pm
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    params = dict(grid="none", runs_root=str(tmp_path), model="tiny", scheme="sync", data="synthetic", subset=256,
+                  test_subset=128, global_batch=64, epochs=1, nproc=1, device="cpu", run_timeout_s=0.5)
+    pm.execute_notebook(ROOT / "notebooks" / "grid.ipynb", tmp_path / "grid.ipynb", parameters=params,
+                        kernel_name="python3", cwd=str(ROOT), progress_bar=False)
+    nb = nbformat.read(tmp_path / "grid.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "no run completed, so there is nothing to show" in text
+    assert pd.read_csv(tmp_path / "none" / "grid.csv")["status"].tolist() == ["timeout"]
+
+
+# -- item 6: make ------------------------------------------------------------------------------------------------
+def test_make_refuses_a_misspelled_variable():
+    p = run_make("experiment", "EPOCH=3")
+    assert p.returncode == 2 and "hetero: error: unknown make variable EPOCH (did you mean EPOCHS?)" in p.stderr
+    p = run_make("experiment", "NPROC=1;touch x")
+    assert p.returncode == 2 and "NPROC must be a whole number" in p.stderr
+
+
+@pytest.mark.slow
+def test_make_variable_with_a_quote_runs_no_shell_code(tmp_path):
+    marker = tmp_path / "ran"
+    p = run_make("experiment", "NPROC=1", f"MODEL=x'; touch {marker}; echo '")
+    assert p.returncode == 2 and not marker.exists()
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: error:")]
+    assert len(lines) == 1 and "unknown model \"x'; touch" in lines[0], p.stderr
+    p = run_make("grid", f"GRID=g'; touch {marker}; echo '", f"HETERO=1:delay=0.1'; touch {marker}; echo '")
+    assert p.returncode == 2 and not marker.exists() and "Traceback" not in p.stderr
+
+
+def test_make_grid_prints_the_problems_as_plain_lines(tmp_path):
+    p = run_make("grid", "GRID=badtypes", "EPOCHS=2.5", "AUGMENT=maybe", "GLOBAL_BATCH='128'")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "papermill" not in p.stderr.lower(), p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: error:")]
+    assert [ln.split(": ", 2)[2].split(" must")[0] for ln in lines] == ["epochs", "global_batch", "augment"]
+    assert not (ROOT / "runs" / "badtypes").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without a GPU")
+def test_make_experiment_stops_at_check_without_gpu():
+    p = run_make("experiment", "NPROC=2", "DEVICE=cuda", "MODEL=tiny", "DATA=synthetic")
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: error:")]
+    assert p.returncode == 2 and len(lines) == 1 and "torch sees none on this host" in lines[0], p.stderr
+    assert "torchrun" not in p.stdout + p.stderr

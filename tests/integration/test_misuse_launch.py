@@ -1,0 +1,321 @@
+"""The library as users misuse it: ranks whose Balances disagree, a loop counting its own micro-batches, an optimizer
+step on gradients that were not all-reduced, a step without attach, a loader peeked at, bad arguments. Each stops
+every rank with the same one line (never a socket error, a hang or a silently wrong run). Two-rank cases run as gloo
+processes started by torch.multiprocessing.spawn; each rank writes what it saw to a JSON file.
+Here the cases that launch processes; those in one process: tests/unit/test_misuse.py."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetero
+import hetero.core.settle
+from hetero.lab.launch import free_port
+
+from helpers import Indexed, max_diff, sgd_step
+
+
+def _spawn(fn, tmp_path, *args, world: int = 2) -> list[dict]:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    mp.spawn(fn, args=(str(tmp_path), *args), nprocs=world, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _join(rank: int, world: int = 2, timeout_s: float = 60) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    # a rank left waiting fails at the timeout instead of hanging the test (the checks must answer in seconds)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _write(out: str, rank: int, result: dict) -> None:
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- ranks that disagree ----------------------------------------------------------------------------------------
+CASES = {  # name: (rank 0's Balance arguments, rank 1's); each must stop both ranks with the same line
+    "seed": ({"seed": 0}, {"seed": 1}),
+    "scheme": ({"scheme": "edp"}, {"scheme": "affine"}),
+    "global_batch": ({"global_batch": 64}, {"global_batch": 32}),
+    "rebalance_every": ({"rebalance_every": 2}, {"rebalance_every": 3}),
+    "hetero": ({"hetero": "1:slowdown=3"}, {"hetero": ""}),
+    "n_samples": ({}, {}),   # different data set lengths
+    "epoch": ({}, {}),       # rank 1 calls set_epoch(epoch + 1)
+}
+
+
+def _disagree_worker(rank: int, out: str) -> None:
+    """Every case in turn, in the same two processes (each refusal ends in a completed collective)."""
+    _join(rank)
+    results = {}
+    for case, kws in CASES.items():
+        result = results[case] = {"error": "", "steps": 0}
+        try:
+            args = {"global_batch": 32, **kws[rank]}
+            spec = args.pop("hetero", "")  # an emulated slow rank, plugged in as the trainer does
+            bal = hetero.Balance(**args)
+            bal.emulate(spec)
+            ddp = DDP(_net())
+            bal.attach(ddp)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            n = 320 if case != "n_samples" or rank == 0 else 288
+            sampler = bal.batch_sampler(n)
+            ds = Indexed(n)
+            bal.set_epoch(1 if case == "epoch" and rank == 1 else 0)
+            for batch in sampler:
+                x, y, _ = zip(*(ds[i] for i in batch))
+                with bal.step():
+                    F.cross_entropy(ddp(torch.stack(x)), torch.tensor(y)).backward()
+                    opt.step()
+                    opt.zero_grad()
+                result["steps"] += 1
+        except hetero.HeteroError as e:
+            result["error"] = str(e)
+    _write(out, rank, results)
+
+
+@pytest.fixture(scope="module")
+def disagreements(tmp_path_factory) -> list[dict]:
+    return _spawn(_disagree_worker, tmp_path_factory.mktemp("disagree"))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ranks_that_disagree_stop_alike_with_one_line_naming_the_field(disagreements, case):
+    r = [rank[case] for rank in disagreements]
+    assert r[0]["error"] and r[0]["error"] == r[1]["error"], r      # the same line on both ranks
+    assert r[0]["error"].startswith("hetero: ") and "\n" not in r[0]["error"]
+    assert f"disagree on {case}" in r[0]["error"]
+    assert r[0]["steps"] == r[1]["steps"] == 0                     # caught before any step trained
+
+
+def _early_worker(rank: int, out: str) -> None:
+    """Rank 1 leaves epoch 0 after 3 of its 10 steps (a `break`), then starts epoch 1. Rank 0 is then left inside
+    step 3 until the process group's timeout (10 s here): only then can a peer still in the epoch be told from a
+    slow one."""
+    _join(rank, timeout_s=10)
+    result = {"error": ""}
+    try:
+        bal = hetero.Balance(global_batch=32)
+        ddp = DDP(_net())
+        bal.attach(ddp)
+        sampler, ds = bal.batch_sampler(320), Indexed(320)
+        for epoch in range(2):
+            bal.set_epoch(epoch)
+            for step, batch in enumerate(sampler):
+                if rank == 1 and epoch == 0 and step == 3:
+                    break
+                x, y, _ = zip(*(ds[i] for i in batch))
+                with bal.step():
+                    F.cross_entropy(ddp(torch.stack(x)), torch.tensor(y)).backward()
+    except hetero.HeteroError as e:
+        result["error"] = str(e)
+    _write(out, rank, result)
+
+
+def _limited_worker(rank: int, out: str) -> None:
+    """Every rank runs only 4 of each epoch's 10 steps (Lightning's limit_train_batches): a valid run."""
+    _join(rank)
+    bal = hetero.Balance(global_batch=32, scheme="dp", rebalance_every=2)
+    ddp = DDP(_net())
+    bal.attach(ddp)
+    sampler, ds = bal.batch_sampler(320), Indexed(320)
+    for epoch in range(3):
+        bal.set_epoch(epoch)
+        for step, batch in enumerate(sampler):
+            if step == 4:
+                break
+            x, y, _ = zip(*(ds[i] for i in batch))
+            with bal.step():
+                F.cross_entropy(ddp(torch.stack(x)), torch.tensor(y)).backward()
+    _write(out, rank, {"steps": bal.global_step})
+
+
+def test_every_rank_leaving_early_alike_is_a_valid_run(tmp_path):
+    assert [r["steps"] for r in _spawn(_limited_worker, tmp_path)] == [12, 12]
+
+
+def test_a_rank_leaving_an_epoch_early_is_named_on_every_rank(tmp_path):
+    r = _spawn(_early_worker, tmp_path)
+    assert r[0]["error"] == r[1]["error"], r
+    assert r[0]["error"].startswith("hetero: rank 1 left epoch 0 after 3 of its 10 steps while another rank went on")
+
+
+# -- a loop counting its own micro-batches (nanoGPT's) ----------------------------------------------------------
+def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
+    """`for micro_step in range(fixed)` inside bal.step(), counts [1, 3] of m = 4; fixed=0: bal.micro_batches."""
+    _join(rank)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2))
+    result = {"error": "", "stepped": False}
+    model = _net()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        bal = hetero.Balance(global_batch=16, micro_batch=4)  # counts [1, 3]
+        bal.replay({0: np.array([[4, 12]] * 4)})
+        ddp = DDP(model)
+        bal.attach(ddp)
+        bal.batch_sampler(64)  # the epoch's length
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        bal.set_epoch(0)
+        counts = fixed or bal.micro_batches
+        start = 0 if rank == 0 else 4
+        for micro in range(counts):  # this rank's slice of the step's 16 samples, in micro-batches of 4
+            lo = start + 4 * micro
+            with bal.step():
+                F.cross_entropy(ddp(x[lo:lo + 4]), y[lo:lo + 4]).backward()
+        opt.step()
+        result["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
+        # what the exit waits for: gloo's threads have freed every callback of the hook (none left to free
+        # while the interpreter shuts down)
+        result["callbacks_freed"] = hetero.core.settle.settle.wait(timeout_s=10)
+    except hetero.HeteroError as e:
+        result["error"] = str(e)
+    result["stepped"] = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    _write(out, rank, result)
+
+
+def test_a_fixed_accumulation_loop_with_unequal_counts_stops_every_rank_before_a_wrong_step(tmp_path):
+    r = _spawn(_nanogpt_worker, tmp_path, 2)
+    assert r[0]["error"] == r[1]["error"], r          # one line on both ranks, not "Connection closed by peer"
+    assert r[0]["error"].startswith("hetero: rank 1 stepped its optimizer after 2 of its 3 micro-batches")
+    assert "bal.micro_batches" in r[0]["error"]
+    assert not r[0]["stepped"] and not r[1]["stepped"]  # no optimizer step on gradients that were not all-reduced
+
+
+def test_a_loop_running_bal_micro_batches_is_exact(tmp_path):
+    r = _spawn(_nanogpt_worker, tmp_path, 0)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2))
+    model = _net()
+    F.cross_entropy(model(x[:16]), y[:16]).backward()  # the union of the ranks' micro-batches: one global batch
+    want = sgd_step(model)
+    for rank in r:
+        assert not rank["error"] and max_diff(rank["params"], want) < 1e-6
+        assert rank["callbacks_freed"]
+
+
+def _extra_steps_worker(rank: int, out: str) -> None:
+    """Counts [1, 1] and a fixed loop of 2: every micro-batch syncs, but two steps go into one optimizer step."""
+    _join(rank)
+    result = {"error": ""}
+    try:
+        bal = hetero.Balance(global_batch=8, micro_batch=4)
+        bal.replay({0: np.array([[4, 4]] * 4)})
+        ddp = DDP(_net())
+        bal.attach(ddp)
+        bal.batch_sampler(32)  # the epoch's length
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        bal.set_epoch(0)
+        for _ in range(2):
+            with bal.step():
+                F.cross_entropy(ddp(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+    except hetero.HeteroError as e:
+        result["error"] = str(e)
+    _write(out, rank, result)
+
+
+def test_two_steps_of_the_schedule_in_one_optimizer_step_are_refused_on_every_rank(tmp_path):
+    r = _spawn(_extra_steps_worker, tmp_path)
+    assert r[0]["error"].startswith("hetero: rank 0 ran 2 steps of the schedule")
+    assert r[1]["error"].startswith("hetero: rank 1 ran 2 steps of the schedule")
+
+
+# -- a step without attach; a Balance built on a guess -----------------------------------------------------------
+def _no_attach_worker(rank: int, out: str) -> None:
+    _join(rank)
+    result = {"error": ""}
+    try:
+        bal = hetero.Balance(global_batch=32)
+        ddp = DDP(_net())
+        bal.batch_sampler(320)  # the epoch's length
+        bal.set_epoch(0)
+        with bal.step():
+            F.cross_entropy(ddp(torch.randn(16, 8)), torch.zeros(16, dtype=torch.long)).backward()
+    except hetero.HeteroError as e:
+        result["error"] = str(e)
+    _write(out, rank, result)
+
+
+def test_a_step_without_attach_is_refused(tmp_path):
+    r = _spawn(_no_attach_worker, tmp_path)
+    assert r[0]["error"] == r[1]["error"] and "call bal.attach(ddp) before the first step" in r[0]["error"]
+
+
+def _guess_worker(rank: int, out: str) -> None:
+    """Both ranks build their Balance before the process group, with no RANK in the environment (as under
+    Lightning's launcher when it is built in the launched processes); one is told it is rank 0 of 1."""
+    os.environ.pop("RANK", None)
+    os.environ["WORLD_SIZE"] = "2"
+    result = {"error": "", "build": ""}
+    try:
+        _ = hetero.Balance(global_batch=32).rank  # reading the rank is what refuses
+    except hetero.HeteroError as e:
+        result["build"] = str(e)  # WORLD_SIZE without RANK: refused, not guessed
+    bal = hetero.Balance(global_batch=32)
+    bal.set_world(0, 1)  # a wrong guess, made explicit
+    _join(rank)
+    try:
+        bal.attach(DDP(_net()))
+    except hetero.HeteroError as e:
+        result["error"] = str(e)
+    _write(out, rank, result)
+
+
+def test_a_balance_on_a_wrong_rank_is_refused_at_attach_on_every_rank(tmp_path):
+    r = _spawn(_guess_worker, tmp_path)
+    assert "WORLD_SIZE is set but neither RANK nor a process group" in r[0]["build"]
+    assert r[0]["error"] == r[1]["error"]
+    assert r[0]["error"].startswith("hetero: at attach, rank 0 of the process group's 2 holds a Balance for rank 0 "
+                                    "of 1: it was built before its launcher set the rank and world")
+
+
+# -- the largest-batch probe: one path (the trainer calls it too), a rank's failure stops every rank alike ----------
+def _probe_worker(rank: int, out: str, case: str) -> None:
+    _join(rank)
+    result = {"error": "", "limits": None}
+    try:
+        bal = hetero.Balance(global_batch=32, max_batch="probe")
+        if case == "fails" and rank == 1:  # this rank's probe fails (on a GPU: not even min_batch fits)
+            def fails(*args, **kwargs):
+                raise RuntimeError("not even 1 sample fits on cuda:0 (the model alone fills it)")
+            hetero.core.probe.probe_max_batch = fails
+        # "shared": both ranks say they are on one physical GPU of this host
+        limits = bal.probe(_net(), (8,), 3, torch.device("cpu"), gpu="uuid GPU-same" if case == "shared" else "")
+        result["limits"] = [None if v == float("inf") else v for v in limits]
+    except hetero.HeteroError as e:
+        result["error"] = str(e)
+    _write(out, rank, result)
+
+
+@pytest.mark.parametrize("case, line", [
+    ("fails", "hetero: the largest-batch probe failed on rank 1: not even 1 sample fits on cuda:0"),
+    ("shared", 'hetero: max_batch "probe" needs a GPU of its own per rank: ranks 0, 1 share cpu on ')])
+def test_a_probe_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path, case, line):
+    r = _spawn(_probe_worker, tmp_path, case)      # returns at all: no rank left waiting in the gather
+    assert r[0]["error"] == r[1]["error"], r       # the same line on every rank
+    assert r[0]["error"].startswith(line), r
+    assert r[0]["limits"] is None and r[1]["limits"] is None
+
+
+def test_a_probe_on_cpu_ranks_answers_no_limit_on_every_rank(tmp_path):
+    r = _spawn(_probe_worker, tmp_path, "cpu")
+    assert r[0] == r[1] == {"error": "", "limits": [None, None]}
+

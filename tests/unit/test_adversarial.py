@@ -1,0 +1,315 @@
+"""Issue 23 (Reliability III), the trainer's and the lab's side: the data set is what is on disk, writers never
+follow a link they did not create, every bad input is one line (exit 2) before any process group, a full disk
+says so, and nothing hangs. Each case goes through the command line (`--check`, make, the grid check) or the
+public API, as a user would meet it; a case that could hang runs in a subprocess with a timeout.
+Here the cases in one process; those that launch processes: tests/integration/test_adversarial_launch.py."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import hetero.trainer.runlog as runlog
+from hetero.core import safeio
+from hetero.lab import analysis
+from hetero.lab import grid as hg
+from hetero.trainer import run as train
+from hetero.trainer.data import load_data
+
+from helpers import SMALL, assert_one_line, check, image_folder
+
+LONG = "a" * 300  # one name past NAME_MAX
+VICTIM = "the victim's own content\n"
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HETERO_CACHE", str(tmp_path / "cache"))
+
+
+def _one_line(p: subprocess.CompletedProcess, text: str) -> None:
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("hetero: error: ") and text in lines[0], lines[0]
+
+
+def _victim(tmp_path: Path) -> Path:
+    v = tmp_path / "victim.txt"
+    v.write_text(VICTIM)
+    return v
+
+
+# -- 1. the data set is what is on disk -------------------------------------------------------------------------
+IMAGES = ["--model", "tiny", "--data", "imagefolder", "--global-batch", "2", "--threads", "1"]
+
+
+@pytest.mark.parametrize("target", [".", "..", "../../train"])
+def test_a_folder_link_in_an_image_folder_is_refused_by_name(target, tmp_path, monkeypatch, capsys):
+    root = image_folder(tmp_path / "images")
+    (root / "train" / "cat" / "loop").symlink_to(target)
+    rc, err = check([*IMAGES, "--data-dir", str(root)], monkeypatch, capsys)
+    assert_one_line(rc, err, f"{root}/train/cat/loop is a symbolic link to a folder")
+
+
+def test_a_class_folder_link_is_refused_and_file_links_are_followed(tmp_path, monkeypatch, capsys):
+    root = image_folder(tmp_path / "images")
+    (root / "train" / "cat" / "3.jpg").symlink_to(root / "train" / "cat" / "0.jpg")  # a file link cannot loop
+    assert len(load_data("imagefolder", str(root)).train_y) == 7
+    (root / "train" / "bird").symlink_to(root / "train" / "dog")
+    rc, err = check([*IMAGES, "--data-dir", str(root)], monkeypatch, capsys)
+    assert_one_line(rc, err, "class folder bird is a symbolic link to a folder")
+
+
+def test_the_cache_follows_added_and_replaced_images(tmp_path):
+    from PIL import Image
+
+    root = image_folder(tmp_path / "images")
+    first = load_data("imagefolder", str(root))
+    assert len(first.train_y) == 6
+    for i in (3, 4):  # two more cats
+        Image.fromarray(np.full((32, 32, 3), 7 * i, np.uint8)).save(root / "train" / "cat" / f"{i}.png")
+    second = load_data("imagefolder", str(root))
+    assert len(second.train_y) == 8 and int((second.train_y == 0).sum()) == 5
+    Image.fromarray(np.full((32, 32, 3), 200, np.uint8)).save(root / "train" / "dog" / "0.jpg", quality=100)
+    third = load_data("imagefolder", str(root))
+    assert not torch.equal(third.train_x, second.train_x) and abs(int(third.train_x[5].float().mean()) - 200) < 3
+
+
+def test_a_cache_that_does_not_match_its_manifest_is_rebuilt(tmp_path):
+    root = image_folder(tmp_path / "images")
+    good = load_data("imagefolder", str(root))
+    (cache,) = (tmp_path / "cache").glob("imagefolder-*.pt")
+    torch.save({"train_x": torch.zeros(6, 3, 8, 8, dtype=torch.uint8), "train_y": torch.full((6,), 99),
+                "test_x": torch.zeros(6, 3, 8, 8, dtype=torch.uint8), "test_y": torch.full((6,), 99)}, cache)
+    again = load_data("imagefolder", str(root))
+    assert torch.equal(again.train_x, good.train_x) and torch.equal(again.train_y, good.train_y)
+    assert tuple(torch.load(cache, weights_only=True)["train_x"].shape) == (6, 3, 32, 32)  # rebuilt in place
+
+
+# -- 2. writers never follow a link they did not create ---------------------------------------------------------
+def test_a_link_at_the_lock_or_config_is_refused_and_the_target_untouched(tmp_path, monkeypatch, capsys):
+    victim = _victim(tmp_path)
+    for name in (".lock", "config.json"):
+        run = tmp_path / f"run-{name}"
+        run.mkdir()
+        (run / name).symlink_to(victim)
+        rc, err = check([*SMALL, "--run-dir", str(run)], monkeypatch, capsys)
+        assert rc == 2 and len(err) == 1, err
+        assert victim.read_text() == VICTIM
+
+
+def test_links_planted_at_every_run_file_leave_their_targets_untouched(tmp_path, monkeypatch, capsys):
+    """One real run (one process) into a folder with links at each file it writes: each is replaced or refused."""
+    victim = _victim(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    names = ["summary.json", "checkpoint.pt"]  # replaced (atomic writes) ...
+    for name in names:
+        (run / name).symlink_to(victim)
+    rc, err = check([*SMALL, "--epochs", "1", "--run-dir", str(run)], monkeypatch, capsys, check_only=False)
+    assert rc == 0, err
+    assert victim.read_text() == VICTIM and not any((run / n).is_symlink() for n in names)
+    run2 = tmp_path / "run2"
+    run2.mkdir()
+    (run2 / "epochs.csv").symlink_to(victim)  # ... and an appended table (epochs, ranks, steps) refused by name
+    assert_one_line(*check([*SMALL, "--epochs", "1", "--run-dir", str(run2)], monkeypatch, capsys, check_only=False),
+                    "epochs.csv is a symbolic link")
+    assert victim.read_text() == VICTIM
+
+
+def test_a_run_dir_that_is_a_link_to_a_folder_is_fine(tmp_path, monkeypatch, capsys):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    assert check([*SMALL, "--run-dir", str(tmp_path / "link" / "run")], monkeypatch, capsys)[0] == 0
+
+
+def test_safe_writes_replace_a_planted_link(tmp_path):
+    victim = _victim(tmp_path)
+    for name, write in (("out", lambda p: safeio.write_text(p, "new")),
+                        ("summary.csv", lambda p: analysis.save_table(pd.DataFrame({"a": [1]}), p)),
+                        ("checkpoint.pt", lambda p: runlog.RunFolder(p.parent).save_checkpoint({"x": torch.ones(2)}))):
+        target = tmp_path / name
+        target.symlink_to(victim)
+        write(target)
+        assert victim.read_text() == VICTIM and not target.is_symlink()
+    with pytest.raises(runlog.DiskError, match="is a symbolic link"):
+        (tmp_path / "steps.csv").symlink_to(victim)
+        runlog.RunFolder(tmp_path).append("steps", [{"a": 1}])
+    assert victim.read_text() == VICTIM
+
+
+def test_links_in_the_cache_are_never_written_through(tmp_path, monkeypatch, capsys):
+    victim = _victim(tmp_path)
+    root = image_folder(tmp_path / "images")
+    load_data("imagefolder", str(root))
+    (cache,) = (tmp_path / "cache").glob("imagefolder-*.pt")
+    cache.unlink()
+    cache.symlink_to(victim)  # not a cache: decoded again, and the link replaced
+    load_data("imagefolder", str(root))
+    assert victim.read_text() == VICTIM and not cache.is_symlink()
+    lock = tmp_path / "cache" / ".hetero.lock"
+    lock.unlink()
+    lock.symlink_to(victim)
+    rc, err = check([*IMAGES, "--data-dir", str(root)], monkeypatch, capsys)
+    assert_one_line(rc, err, "is a symbolic link")
+    assert victim.read_text() == VICTIM
+
+
+def _grid_check(*args: str, capsys=None) -> subprocess.CompletedProcess:
+    """`python -m hetero.lab.grid --check ARGS`: its main() in this process (importing papermill takes seconds)."""
+    rc = hg.main(["--check", *args])
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, out.out, out.err)
+
+
+GRID = ["-p", "model", "tiny", "-p", "data", "synthetic", "-p", "subset", "512", "-p", "global_batch", "128",
+        "-p", "nproc", "1", "-p", "device", "cpu", "-p", "threads", "1"]
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b"])
+def test_grid_names_are_plain_names(name, tmp_path, capsys):
+    _one_line(_grid_check(*GRID, "-p", "grid", name, "-p", "runs_root", str(tmp_path), capsys=capsys),
+              "must be a plain folder name")
+
+
+@pytest.mark.parametrize("name", ["grid.json", "grid.ipynb", "grid.csv"])
+def test_a_link_in_the_grid_folder_is_refused(name, tmp_path, capsys):
+    victim = _victim(tmp_path)
+    (tmp_path / "g").mkdir()
+    (tmp_path / "g" / name).symlink_to(victim)
+    _one_line(_grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), capsys=capsys),
+              f"g/{name} is a symbolic link")
+    assert victim.read_text() == VICTIM
+
+
+def test_a_link_in_the_report_folder_is_refused(tmp_path, capsys):
+    victim = _victim(tmp_path)
+    run = tmp_path / "g" / "r"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{}")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "report.html").symlink_to(victim)
+    rc = analysis.main(["--check", str(tmp_path / "g"), str(tmp_path / "out")])
+    _one_line(subprocess.CompletedProcess([], rc, "", capsys.readouterr().err), "report.html is a symbolic link")
+
+
+# -- 3. everything checkable is checked before the process group ------------------------------------------------
+HUGE = "9" * 400
+BEFORE_GROUP = [
+    (["--epochs", HUGE], "epochs must be a whole number of at most 2**63-1 (got a 400-digit number)"),
+    (["--eval-batch", HUGE], "eval_batch must be a whole number of at most 2**63-1"),
+    (["--threads", "²"], "--threads '²': expected whole numbers"),
+    (["--max-batch", HUGE], "--max-batch '9999999999"),
+    (["--affinity", "0-99999999"], "core numbers go up to 65535"),
+    (["--hetero", "0:delay=1e300"], "'1e300' is too large"),
+    (["--hetero", "0:exp=1e300"], "'1e300' is too large"),
+    (["--hetero", "0:slowdown=1e300"], "'1e300' is too large"),
+    (["--hetero", "0:gamma=1e200/1e200"], "'1e200' is too large"),
+    (["--hetero", f"0:delay=0.1@cycle={HUGE}/1"], "cycle period 99999999999999999999... is too large"),
+    (["--hetero", "0:delay=400"], "rank 0 is delayed 400 s per step, not below --timeout-s 300"),
+    (["--timeout-s", "0.001"], "--timeout-s must be at least 5 s"),
+    (["--run-dir", LONG], "--run-dir 'aaaa"),
+    (["--resume", LONG], "--resume 'aaaa"),
+    (["--replay", LONG], "--replay 'aaaa"),
+    (["--data-dir", LONG], "--data-dir 'aaaa"),
+]
+
+
+@pytest.mark.parametrize("args,text", BEFORE_GROUP, ids=[f"{a[0]} {a[1][:20]}" for a, _ in BEFORE_GROUP])
+def test_bad_values_are_one_line_before_the_group(args, text, monkeypatch, capsys):
+    assert_one_line(*check([*SMALL, *args], monkeypatch, capsys), text)
+
+
+def test_launch_numbers_are_checked_before_anything_indexes_by_them(monkeypatch, capsys):
+    """make experiment NNODES=2 NODE_RANK=5 runs --check with these (RANK = NODE_RANK * NPROC)."""
+    for k, v in {"WORLD_SIZE": "4", "RANK": "10", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(k, v)
+    rc = train.main(["--check", *SMALL])
+    assert_one_line(rc, capsys.readouterr().err.splitlines(), "NODE_RANK must be below NNODES")
+    monkeypatch.setenv("RDZV_ENDPOINT", "x;y")
+    assert_one_line(*check(SMALL, monkeypatch, capsys), "RDZV_ENDPOINT 'x;y' is not HOST:PORT")
+    monkeypatch.setenv("RDZV_ENDPOINT", "node-1.example:29500")
+    assert check(SMALL, monkeypatch, capsys) == (0, [])
+
+
+def test_a_grid_run_name_too_long_is_one_line(tmp_path, capsys):
+    p = _grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), "-y",
+                    "hetero: " + json.dumps(",".join(["0:delay=0.001"] * 30)), capsys=capsys)
+    _one_line(p, "its run folder has a name longer than the system allows")
+
+
+# -- 4. grids and reports ---------------------------------------------------------------------------------------
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi")) + "model: *i\n"
+GRID_FILES = [
+    ("not utf-8", b"model: tiny\nscheme: \xff\xfe\n", "not UTF-8 text (byte 0xff"),
+    ("runs_root 5", b"runs_root: 5\n", "runs_root must be a folder path (got 5)"),
+    ("alias bomb", BOMB.encode(), "its aliases expand past 100000 values"),
+    ("duplicate keys", b"model: tiny\nepochs: 2\nepochs: 3\n", "duplicate key 'epochs'"),
+    ("empty axis", b"model: []\n", "parameter 'model' is an empty list"),
+]
+
+
+@pytest.mark.parametrize("name,text,message", GRID_FILES, ids=[g[0] for g in GRID_FILES])
+def test_bad_grid_files_are_one_short_line(name, text, message, tmp_path, capsys):
+    (tmp_path / "p.yaml").write_bytes(text)
+    t0 = time.monotonic()
+    given = ["-f", str(tmp_path / "p.yaml")] + ([] if name == "runs_root 5" else ["-p", "runs_root", str(tmp_path)])
+    p = _grid_check(*GRID[3:], *given, "-p", "grid", "g", capsys=capsys)
+    _one_line(p, message)
+    assert len(p.stderr) < 1000 and time.monotonic() - t0 < 60
+
+
+# -- 6. a full disk says so, and the summary never claims more than the checkpoint ------------------------------
+def test_disk_full_inside_torch_save_says_disk_full(tmp_path, monkeypatch, capsys):
+    """The file's write raises ENOSPC during a real torch.save, which wraps it as `unexpected pos`."""
+    run, writes = tmp_path / "run", []
+
+    class Full:
+        def __init__(self, fh):
+            self.fh = fh
+
+        def write(self, data):
+            writes.append(len(data))
+            if len(writes) > 3:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.fh.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    real_save = torch.save
+    saves = []
+
+    def save(obj, fh):  # the second checkpoint's file runs out of room half-way
+        saves.append(1)
+        return real_save(obj, Full(fh) if len(saves) == 2 else fh)
+    monkeypatch.setattr(runlog.torch, "save", save)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        rc, err = check([*SMALL, "--epochs", "3", "--run-dir", str(run)], monkeypatch, capsys, check_only=False)
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert rc == 1 and "disk full writing" in err[-1] and "unexpected pos" not in err[-1], err
+    summary = json.loads((run / "summary.json").read_text())
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    assert state["epoch"] == 1 and summary["epochs_completed"] == 1 and "disk full" in summary["error"]
+
+
+# -- 7. no hangs -------------------------------------------------------------------------------------------------
+def test_a_grid_folder_with_an_unreadable_config_is_one_line(tmp_path, capsys):
+    run = tmp_path / "g" / "tiny-edp-none-s0"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text("{not json")
+    _one_line(_grid_check(*GRID, "-p", "grid", "g", "-p", "runs_root", str(tmp_path), capsys=capsys),
+              "holds an unreadable config.json")

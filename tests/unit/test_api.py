@@ -1,0 +1,163 @@
+"""The public API (hetero.Balance): the batch sampler's cut, the decision schedule under DataLoader workers, the
+exact EDP gradient (also with GradScaler and clipping), refusals, and checkpoints. Two-rank cases run as two gloo
+processes started by torch.multiprocessing.spawn.
+Here the cases in one process; those that launch processes: tests/integration/test_api_launch.py."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import hetero
+from hetero.core.sampler import EpochPlan
+
+
+def _balance(monkeypatch, rank: int, world: int = 2, emulate: str = "", replay=None, **kw) -> hetero.Balance:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    bal = hetero.Balance(**kw)
+    bal.emulate(emulate)
+    if replay is not None:
+        bal.replay(replay)
+    return bal
+
+
+# -- one process: the sampler's cut ----------------------------------------------------------------------------
+@pytest.mark.parametrize("n, B, limits", [(100, 32, [5, None]), (97, 10, [None, 3]), (64, 64, None)])
+def test_sampler_slices_are_disjoint_complete_and_equal_in_steps(monkeypatch, n, B, limits):
+    per_rank = []
+    for r in range(2):
+        bal = _balance(monkeypatch, r, global_batch=B, max_batch=limits)
+        sampler = bal.batch_sampler(n, seed=4)
+        bal.set_epoch(3)
+        per_rank.append(list(sampler))
+    assert len(per_rank[0]) == len(per_rank[1]) == n // B                    # equal steps on every rank
+    for s, (a, b) in enumerate(zip(*per_rank)):
+        assert len(a) + len(b) == B and not set(a) & set(b)                  # the step's window, split
+        assert sorted(a + b) == sorted(EpochPlan(n, B, 4, 3).perm[s * B:(s + 1) * B].tolist())
+    seen = [i for rank in per_rank for batch in rank for i in batch]
+    assert len(seen) == len(set(seen)) == (n // B) * B                      # each sample at most once
+    if limits == [5, None]:
+        assert [len(b) for b in per_rank[0]] == [5] * (n // B)               # the bound holds
+
+
+def test_sampler_refuses_an_epoch_handed_out_twice(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=8)
+    sampler = bal.batch_sampler(32)
+    bal.set_epoch(0)
+    list(sampler)
+    with pytest.raises(RuntimeError, match="iterated twice in epoch 0"):
+        list(sampler)
+    bal.set_epoch(1)
+    assert len(list(sampler)) == 4
+
+
+@pytest.mark.parametrize("kw, match", [({"scheme": "fast"}, "unknown scheme"), ({"max_batch": [3, 3]}, "exceeds"),
+                                       ({"min_batch": 0}, "min_batch"), ({"max_batch": [1, 2, 3]}, "entries"),
+                                       ({"emulate": "1:slow=3"}, "EFFECT"), ({"lag": -1}, "lag")])
+def test_bad_settings_raise_one_clear_error(monkeypatch, kw, match):
+    with pytest.raises(ValueError, match=match):
+        _balance(monkeypatch, 0, global_batch=16, **kw)
+
+
+def test_state_dict_loads_with_weights_only(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme="affine")
+    bal.balancer.shares, bal.balancer.sizes = np.array([0.75, 0.25]), np.array([24, 8])
+    bal.global_step, bal.epoch, bal.balancer.decisions = 17, 2, 3  # past its probing steps
+    buf = io.BytesIO()
+    torch.save(bal.state_dict(), buf)
+    buf.seek(0)
+    other = _balance(monkeypatch, 1, global_batch=32, scheme="affine")
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    other.batch_sampler(64)
+    other.set_epoch(2)
+    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.global_step == 17
+
+
+@pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])
+def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
+    """One process plays rank 0 of two; the gather is faked with injected times (rank 1 3x slower per sample)."""
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme=scheme, rebalance_every=3, smoothing=0.2)
+    sampler = bal.batch_sampler(320)
+
+    def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
+        sizes = torch.tensor(np.stack([r.sizes for r in bal.records[bal._decided_upto:]]), dtype=torch.float64)
+        handed = row[-1:]
+        return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", fake_gather)
+    for epoch in range(2):
+        bal.set_epoch(epoch)
+        for batch in sampler:
+            with bal.step(batch_size=len(batch)):
+                pass
+    if scheme == "sync":
+        assert bal.decisions == [] and bal.last_sizes == [16, 16]
+        return
+    assert len(bal.decisions) == 8                   # steps 2, 5, 8 and the epoch's last (9), twice
+    assert all(d.effective == d.epoch * 10 + d.step + 1 for d in bal.decisions)  # no prefetch: the next step
+    assert bal.last_sizes == [24, 8]                 # 3x slower rank 1: a quarter
+
+
+def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=32, max_batch=["probe", 8])
+    with pytest.raises(ValueError, match="call bal.probe"):
+        bal.attach(torch.nn.Linear(2, 2))  # refused before anything touches the model
+    monkeypatch.setattr(hetero.core.balance.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(hetero.core.probe.dist, "is_initialized", lambda: True)  # rank 1, not probing, answers:
+    monkeypatch.setattr(hetero.core.probe, "gather_json", lambda row, device: [row, {**row, "limit": None}])
+    limits = bal.probe(torch.nn.Linear(2, 2), (2,), 2, torch.device("cpu"))
+    assert limits == [float("inf"), 8]                     # a CPU rank is not probed; rank 1 keeps its 8
+    bal.batch_sampler(64)
+    bal.set_epoch(0)
+    assert bal.sizes_at(0, 0).tolist() == [24, 8]
+
+
+# -- what the built-in trainer uses: replay, affine's probe sizes and sit-out, per-step records -----------------
+def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
+    recorded = {1: np.array([[3, 5], [6, 2], [4, 4]]), 2: np.array([[1, 7], [7, 1], [2, 6]])}
+    bal = _balance(monkeypatch, 1, global_batch=8, scheme="edp", rebalance_every=1, replay=recorded)
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
+    bal.batch_sampler(24)
+    assert bal.steps_per_epoch == 3
+    for epoch in (1, 2):
+        bal.set_epoch(epoch)
+        for step in range(3):
+            assert bal.begin_step(step).tolist() == recorded[epoch][step].tolist()
+            assert bal.weight == recorded[epoch][step][1] / 8      # this rank's b_i / B
+            bal.end_step()
+        assert [r.sizes.tolist() for r in bal.epoch_records()] == recorded[epoch].tolist()
+    assert bal.decisions == []
+
+
+def test_affine_probes_two_sizes_in_its_first_window_then_decides(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=40, scheme="affine", rebalance_every=4)
+    bal.batch_sampler(400)  # the epoch's length
+    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, dev: torch.stack([row, row]))
+    bal.set_epoch(1)
+    seen = []
+    for step in range(4):
+        seen.append(tuple(bal.begin_step(step).tolist()))
+        bal.end_step()
+    assert len(set(seen)) == 2 and all(sum(s) == 40 for s in seen)       # +-30% alternating, sum exact
+    assert len(bal.decisions) == 1 and bal.decisions[0].effective == 1 * 10 + 3 + 1
+
+
+def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
+    bal = _balance(monkeypatch, 1, global_batch=8, scheme="affine", sit_out=True, emulate="1:delay=5",
+                   replay={0: np.array([[8, 0], [4, 4]])})
+    bal.batch_sampler(16)  # the epoch's length
+    bal.set_epoch(0)
+    slept = []
+    monkeypatch.setattr(hetero.core.hook.time, "sleep", slept.append)
+    for step in range(2):
+        bal.begin_step(step)
+        weight = bal.weight
+        bal.gradients_ready()                                    # what the hook does when gradients are ready
+        bal.mark_backward()
+        bal.end_step()
+        assert weight == (0.0 if step == 0 else 0.5)
+    recs = bal.epoch_records()
+    assert slept == [5.0] and [r.delay_s for r in recs] == [0.0, 5.0]   # only the step it computed is delayed
+    assert all(r.compute_s >= 0 and r.wait_s >= 0 for r in recs)

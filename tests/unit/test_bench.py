@@ -1,0 +1,131 @@
+"""The measurement toolkit (hetero.lab.measure), and smoke tests of the benchmark suite (python -m hetero.lab.bench)
+and the GPU check (scripts/gpu_check.py --smoke) at their smallest sizes on CPU: they run, write their files, and their
+ratios are sane. No absolute times; the emulated slowdown (8x) is far larger than what a busy 2-core host does to
+one rank. The two smoke runs are in the slow tier (make test-all).
+Here the cases in one process; those that launch processes: tests/integration/test_bench_launch.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetero.lab import measure
+from hetero.lab.simbench import decision_times
+
+from helpers import ROOT
+
+
+def test_gpu_check_report_marks_missing_figures(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    from gpu_parts import markdown
+
+    meta = {"date": "d", "host": "h", "device_name": "GPU", "versions": {"torch": "2.x"}, "command": "c"}
+    rows = [{"scheme": "edp", "epoch_s": 2.0, "shares": [0.6, 0.4], "balance_eff": 0.9, "speedup_vs_sync": None},
+            {"scheme": "affine", "error": "LaunchError: exited 1"}]
+    text = markdown({"meta": meta, "pair": {"backend": "gloo", "model": "tiny", "hetero": "1:slowdown=8", "rows": rows},
+                     "throughput": [{"model": "tiny", "path": "float32", "batch": 32,
+                                     "error": "skipped: out of time"}]})
+    assert text.startswith("# GPU check, d, h: GPU (torch 2.x)")
+    assert "| edp | 2.000 | - | 0.60/0.40 | 0.90 |" in text and "| affine | LaunchError: exited 1 |" in text
+    assert "| tiny | float32 | 32 | skipped: out of time |" in text
+
+
+def test_steady_epochs_speedup_and_tables(tmp_path):
+    (tmp_path / "epochs.csv").write_text("epoch,epoch_time_s,steps\n1,9.0,4\n2,2.0,4\n3,4.0,4\n4,3.0,4\n")
+    assert [r["epoch"] for r in measure.steady_epochs(tmp_path, 3)] == ["3", "4"]
+    (tmp_path / "steps.csv").write_text("epoch,step,rank\n1,0,0\n2,0,0\n2,0,1\n")
+    assert len(measure.steady_epochs(tmp_path, table="steps")) == 2
+    assert measure.steady_epoch_s(tmp_path) == 3.0 and measure.steady_epoch_s(tmp_path, 9) == 3.5  # short: all
+    rows = [{"scheme": "dp", "epoch_s": 2.0}, {"scheme": "sync", "epoch_s": 3.0}, {"scheme": "edp"}]
+    measure.add_speedup_vs_sync(rows)
+    assert [r["speedup_vs_sync"] for r in rows] == [1.5, 1.0, None]
+    no_sync = [{"scheme": "dp", "epoch_s": 2.0}]
+    measure.add_speedup_vs_sync(no_sync)
+    assert no_sync[0]["speedup_vs_sync"] is None
+    assert measure.markdown_table(["a", "b"], [[1, "x"]]) == ["| a | b |", "|---|---|", "| 1 | x |"]
+
+
+def test_run_meta_names_the_commit_and_versions():
+    meta = measure.run_meta("cmd")
+    assert meta["command"] == "cmd" and len(meta["git_commit"]) == 40
+    assert {"python", "hetero", "numpy"} <= set(meta["versions"]) and meta["cores"] >= 1
+
+
+def test_decision_times_repeat_within_their_bounds():
+    times = decision_times("affine", 64, steps=8, repeats=(2, 4), budget_s=1e-9)
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert len(decision_times("proportional", 8, repeats=(3, 3))) == 3
+
+
+def _steps_frame(fixed, per, delay, sizes, steps=8):
+    """A steps.csv-like frame with exact times: rank i computes fixed_i + per_i x b plus delay_i (its delay_s)."""
+    import pandas as pd
+
+    rows = [{"epoch": e, "step": s, "rank": i, "batch_size": sizes[i], "delay_s": delay[i],
+             "compute_s": fixed[i] + per[i] * sizes[i] + delay[i], "wait_s": 0.001 + 0.01 * (i == 0)}
+            for e in (1, 2) for s in range(steps) for i in range(len(sizes))]
+    return pd.DataFrame(rows)
+
+
+def test_cost_model_separates_a_constant_delay_and_a_slowdown_from_the_work():
+    from hetero.lab.efficiency import cost_model
+
+    a, c = 0.004, 0.0005
+    # rank 1 sleeps 0.05 s per step: its own work is like rank 0's, the sleep is its delay
+    m = cost_model(_steps_frame([a, a], [c, c], [0.0, 0.05], [96, 32]), (a, c), 128, 2, hetero="1:delay=0.05")
+    assert m["scale"] == pytest.approx([1.0, 1.0]) and m["fixed_s"] == pytest.approx([a, a])
+    assert m["factor"] == [1.0, 1.0] and m["delay_s"] == pytest.approx([0.0, 0.05])
+    assert m["allreduce_s"] == pytest.approx(0.001)
+    assert sum(m["ideal_sizes"]) == 128 and m["ideal_sizes"][1] < 32  # the delay must cost it samples
+    assert m["size_changes"] == 0 and m["misallocation_s"] == pytest.approx(  # [96, 32] is not the optimum
+        max(a + c * 96, a + 0.05 + c * 32) - m["ideal_step_s"]) and m["misallocation_s"] > 0.001
+    # rank 1 3x slower: it slept 2 x its own compute; the factor is measured, its work is still rank 0's
+    own = a + c * 32
+    s = cost_model(_steps_frame([a, a], [c, c], [0.0, 2 * own], [96, 32]), (a, c), 128, 2, hetero="1:slowdown=3")
+    assert s["scale"] == pytest.approx([1.0, 1.0]) and s["factor"] == pytest.approx([1.0, 3.0])
+    assert s["delay_s"] == pytest.approx([0.0, 0.0], abs=1e-12)
+    assert s["ideal_step_s"] == pytest.approx(max(a + c * s["ideal_sizes"][0], 3 * (a + c * s["ideal_sizes"][1])))
+
+
+def test_cost_model_of_ranks_sharing_a_core():
+    """4 ranks on 2 cores (0,0,1,1), rank 3 delayed: times made by processor sharing are read back exactly, and the
+    ideal moves rank 3's work to its core-mate, which a per-rank model cannot see."""
+    import pandas as pd
+
+    from hetero.lab.coupled import coupled_batch_sizes, finish_s, shared_walls
+    from hetero.lab.efficiency import cost_model
+
+    a, c, d, cores = 0.002, 0.001, 0.3, ["0", "0", "1", "1"]
+    sizes = np.array([[128, 128, 128, 128], [140, 120, 200, 52], [100, 150, 230, 32]] * 4)
+    walls = shared_walls(a + c * sizes, cores)
+    rows = [{"epoch": 1, "step": t, "rank": i, "batch_size": int(sizes[t, i]), "delay_s": d * (i == 3),
+             "compute_s": walls[t, i] + d * (i == 3), "wait_s": 0.001} for t in range(len(sizes)) for i in range(4)]
+    m = cost_model(pd.DataFrame(rows), (a, c), 512, 1, hetero="3:delay=0.3", cores=cores)
+    assert m["scale"] == pytest.approx([1, 1, 1, 1]) and m["delay_s"] == pytest.approx([0, 0, 0, d])
+    best = coupled_batch_sizes([a] * 4, [c] * 4, 512, cores, 1.0, [0, 0, 0, d])
+    assert m["ideal_step_s"] == pytest.approx(finish_s([a] * 4, [c] * 4, best, cores, 1.0, [0, 0, 0, d]).max())
+    assert m["ideal_sizes"][3] == best[3] == 1 and m["ideal_sizes"][2] > 256  # core 1 does more than core 0
+    assert m["misallocation_s"] == pytest.approx(
+        finish_s([a] * 4, [c] * 4, sizes, cores, 1.0, [0, 0, 0, d]).max(1).mean() - m["ideal_step_s"])
+    alone = cost_model(pd.DataFrame(rows), (a, c), 512, 1, hetero="3:delay=0.3")  # the sharing ignored
+    assert alone["scale"][0] > 1.5  # ranks 0 and 1 look twice as slow as they are
+
+
+def test_summary_and_affine_against_dp_over_repeats():
+    from hetero.lab.efficiency import affine_vs_dp, summary
+
+    def row(scheme, effect, kind, ratio, rep):
+        return {"world": 2, "effect": effect, "kind": kind, "scheme": scheme, "repeat": rep, "global_batch": 256,
+                "over_ideal": ratio, "over_sync_bound": 0.7, "speedup_vs_sync": None, "predicted_speedup": 1.5,
+                "jitter": 0.02, "shares": [0.6, 0.4], "affinity": ""}
+    rows = [row("dp", "2x slower", "slowdown", v, i) for i, v in enumerate((1.02, 1.05, 1.03))]
+    rows += [row("affine", "2x slower", "slowdown", v, i) for i, v in enumerate((1.06, 1.07, 1.05))]
+    rows += [row("dp", "+60 ms (2x)", "delay", v, i) for i, v in enumerate((1.10, 1.12, 1.11))]
+    rows += [row("affine", "+60 ms (2x)", "delay", v, i) for i, v in enumerate((1.02, 1.03, 1.01))]
+    summ = summary(rows)
+    assert [(r["scheme"], r["repeats"], r["over_ideal"], r["min"], r["max"]) for r in summ[:2]] == [
+        ("dp", 3, 1.03, 1.02, 1.05), ("affine", 3, 1.06, 1.05, 1.07)]
+    slow, delay = affine_vs_dp(summ)
+    assert slow["dp_spread"] == pytest.approx(0.03) and slow["within"] and not slow["ahead"]  # 1.06 <= 1.03 + 0.03
+    assert delay["ahead"] and delay["within"] and delay["kind"] == "delay"
+    rows[3]["over_ideal"] = rows[4]["over_ideal"] = 1.07  # affine's median 1.07 > 1.03 + 0.03: outside the spread
+    assert not affine_vs_dp(summary(rows))[0]["within"]

@@ -1,0 +1,85 @@
+"""hetero.lab.grid: expansion, validation before any launch, skip/resume/failure bookkeeping, per-run timeout.
+Here the cases in one process; those that launch processes: tests/integration/test_grid_launch.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetero.lab import grid as hg
+from hetero.trainer.cli import parse_args
+from hetero.trainer.config import Config
+
+TINY = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_batch=64, epochs=1, device="cpu")
+
+
+def test_product_names_and_per_model_hetero(tmp_path):
+    g = hg.plan_grid(grid="g", runs_root=tmp_path, model=["vgg16", "resnet50"], scheme=["sync", "edp"],
+                hetero={"vgg16": ["1:delay=0.01", "1:delay=0.02"], "resnet50": "1:delay=0.1"}, seed=[0, 1],
+                lr=[0.1, 0.05], epochs=3)
+    assert len(g.runs) == 2 * (2 + 1) * 2 * 2  # seeds x (vgg16 levels + resnet50 levels) x schemes x lrs
+    names = [r.name for r in g.runs]
+    assert len(set(names)) == len(names)
+    assert names[0] == "vgg16-sync-1-delay0.01-s0-lr0.1"
+    assert all(r.run_dir == tmp_path / "g" / r.name and r.config.run_dir == str(r.run_dir) for r in g.runs)
+    assert {r.config.hetero for r in g.runs if r.config.model == "resnet50"} == {"1:delay=0.1"}
+    assert [r.config.seed for r in g.runs[:12]] == [0] * 12  # seed outermost: a partial grid compares schemes
+    assert not (tmp_path / "g").exists()  # planning writes nothing
+
+
+def test_every_bad_run_is_reported_before_anything_starts(tmp_path):
+    with pytest.raises(hg.GridError) as e:
+        hg.plan_grid(grid="g", runs_root=tmp_path, nproc=2, scheme=["sync", "nope"],
+                     hetero=["1:delay=0.1", "2:delay=0.1"], **{k: v for k, v in TINY.items()})
+    lines = str(e.value).splitlines()
+    assert len(lines) == 3  # nope x 2 specs, and rank 2 on a world of 2
+    assert any("unknown scheme 'nope'" in ln for ln in lines)
+    assert any("rank 2 is not below the world size 2" in ln for ln in lines)
+    assert not (tmp_path / "g").exists()
+    for bad, match in [({"run_dir": "x"}, "set by the grid"), ({"learning_rate": 0.1}, "unknown parameter"),
+                       ({"hetero": {"vgg16": "1:delay=0.1"}}, "no heterogeneity for model"),
+                       ({"grid": "a/b"}, "grid name")]:
+        with pytest.raises(hg.GridError, match=match):
+            hg.plan_grid(**{"grid": "g", "runs_root": tmp_path, "model": "tiny", **bad})
+
+
+def test_yaml_numbers_reach_string_and_float_fields(tmp_path):
+    cfg = hg.plan_grid(grid="g", runs_root=tmp_path, threads=1, lr=1, **TINY).runs[0].config
+    assert cfg.threads == "1" and cfg.lr == 1.0 and isinstance(cfg.lr, float)
+
+
+def test_train_args_give_back_the_config(tmp_path):
+    cfg = Config(**TINY, scheme="dp", hetero="1:slowdown=3", augment=False, lr=0.05, run_dir=str(tmp_path / "r"))
+    assert parse_args(hg.train_args(cfg))[0] == cfg
+
+
+def test_folder_of_another_configuration_is_refused(tmp_path):
+    g = hg.plan_grid(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
+    run = g.runs[0]
+    run.run_dir.mkdir(parents=True)
+    other = {**run.config.to_dict(), "epochs": 7}
+    (run.run_dir / "config.json").write_text(json.dumps({"config": other}))
+    with pytest.raises(hg.GridError, match="another configuration .*epochs 7 != 1"):
+        hg.plan_grid(grid="g", runs_root=tmp_path, scheme="sync", **TINY)
+
+
+def test_command_resumes_an_interrupted_run_and_overwrites_a_broken_one(tmp_path):
+    run = hg.plan_grid(grid="g", runs_root=tmp_path, scheme="sync", **TINY).runs[0]
+    assert "--overwrite" not in hg.command(run, 2) and "--resume" not in hg.command(run, 2)
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.json").write_text(json.dumps({"config": run.config.to_dict()}))
+    assert "--overwrite" in hg.command(run, 2)  # claimed but never checkpointed
+    (run.run_dir / "checkpoint.pt").write_bytes(b"")
+    (run.run_dir / "summary.json").write_text(json.dumps({"status": "running"}))
+    cmd = hg.command(run, 2)
+    assert cmd[cmd.index("--resume") + 1] == str(run.run_dir) and "--nproc-per-node=2" in cmd
+
+
+def test_error_is_the_root_cause_line(tmp_path):
+    log = tmp_path / "log"
+    log.write_text("Traceback (most recent call last):\n  File x\nValueError: bad thing\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")
+    assert hg._error(tmp_path, log, 1, 10) == "ValueError: bad thing"
+    log.write_text("hetero: error: --subset 10 is smaller than the global batch 64\nValueError: other\n")
+    assert hg._error(tmp_path, log, 2, 10).startswith("hetero: error: --subset 10")
+    assert "timed out after 10 s" in hg._error(tmp_path, log, None, 10)

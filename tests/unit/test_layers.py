@@ -1,0 +1,89 @@
+"""The package's three layers, from its import graph: the core imports nothing from the integrations, the trainer or
+the lab; the integrations only the core; the trainer nothing from the lab. And the core alone loads none of the
+lab's or the trainer's libraries.
+Here the cases in one process; those that launch processes: tests/integration/test_layers_launch.py."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "hetero"
+# what each layer may import from the package (besides itself and the top-level hetero/__init__.py)
+ALLOWED = {"core": set(), "integrations": {"core"}, "trainer": {"core"}, "lab": {"core", "integrations", "trainer"}}
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the hetero modules a file imports (relative imports resolved)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    package = parts[:-1]  # the file's package: ("hetero", "core") for hetero/core/x.py
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.split(".")[0] == "hetero"}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - node.level + 1]
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                mod = node.module or ""
+            if mod.split(".")[0] == "hetero":
+                out.add(mod)
+                out |= {f"{mod}.{a.name}" for a in node.names}  # `from . import x` imports hetero.layer.x
+    return out
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else None
+
+
+def test_every_module_sits_in_a_layer():
+    loose = [p.name for p in PKG.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules outside the layers: {loose}"
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    wrong = []
+    for layer, allowed in ALLOWED.items():
+        for path in sorted((PKG / layer).rglob("*.py")):
+            for mod in _imports(path):
+                other = _layer(mod)
+                if other is not None and other != layer and other not in allowed:
+                    wrong.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_import_checker_sees_a_relative_import_across_layers(tmp_path):
+    # the rule above must be able to fail: a core module importing the trainer is seen as such
+    (tmp_path / "hetero" / "core").mkdir(parents=True)
+    bad = tmp_path / "hetero" / "core" / "bad.py"
+    bad.write_text("from ..trainer.config import Config\nfrom . import partition\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert _imports(bad) == {"hetero.trainer.config", "hetero.trainer.config.Config", "hetero.core",
+                                 "hetero.core.partition"}
+    finally:
+        ROOT = saved
+    assert _layer("hetero.trainer.config") == "trainer"
+
+
+def _names(reqs) -> set[str]:
+    import re
+    return {re.split(r"[<>=\[ ;]", r.strip(), maxsplit=1)[0].lower() for r in reqs}
+
+
+def test_the_core_needs_torch_and_numpy_alone_and_environment_yml_agrees_with_pyproject():
+    import tomllib
+    import yaml
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert _names(project["dependencies"]) == {"torch", "numpy"}
+    extras = project["optional-dependencies"]
+    pip_names = _names(project["dependencies"]) | {n for reqs in extras.values() for n in _names(reqs)
+                                                    if n != "hetero"}
+    if "mkdocstrings" in pip_names:  # pip's mkdocstrings[python] is conda's mkdocstrings-python
+        pip_names = pip_names - {"mkdocstrings"} | {"mkdocstrings-python"}
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]
+    conda = {{"pytorch": "torch"}.get(n, n) for n in _names(d for d in env if isinstance(d, str))} - {"python", "pip"}
+    assert conda == pip_names, (conda - pip_names, pip_names - conda)

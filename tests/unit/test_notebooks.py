@@ -1,0 +1,79 @@
+"""The grid and report notebooks run headless with papermill; their tables match the run folders. Plus the
+analysis maths on hand-made run folders, and notebooks committed without outputs.
+Here the cases in one process; those that launch processes: tests/integration/test_notebooks_launch.py."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pandas as pd
+import pytest
+
+from hetero.lab import analysis
+from hetero.lab.launch import ROOT
+
+# the slow tier, as when these shared a module with the papermill runs (tests/integration/test_notebooks_launch.py)
+pytestmark = pytest.mark.slow
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebooks_are_committed_without_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.outputs == [] and c.execution_count is None for c in code), f"strip the outputs of {path.name}"
+    assert sum("parameters" in c.metadata.get("tags", []) for c in code) == 1
+    assert nb.metadata.kernelspec.name == "hetero"
+
+
+def _fake_run(root: Path, name: str, scheme: str, seed: int, times: list[float], top1: list[float]) -> None:
+    d = root / name
+    d.mkdir(parents=True)
+    cfg = {"model": "tiny", "scheme": scheme, "hetero": "1:delay=0.1", "seed": seed, "global_batch": 64,
+           "epochs": len(times)}
+    (d / "config.json").write_text(json.dumps({"config": cfg, "world_size": 2}))
+    (d / "summary.json").write_text(json.dumps({"status": "completed", "error": "", "epochs_completed": len(times),
+                                                "train_time_s": times[-1], "final_test_top1": top1[-1],
+                                                "final_test_loss": 0.5, "mean_balance_eff": 0.8}))
+    epochs = range(1, len(times) + 1)
+    pd.DataFrame({"epoch": epochs, "train_time_s": times, "eval_time_s": 0.5, "test_loss": 1.0, "test_top1": top1}
+                 ).to_csv(d / "epochs.csv", index=False)
+    pd.DataFrame([{"epoch": e, "rank": r, "share": 0.5, "batch_size": 32, "compute_s": 1.0 + r, "wait_s": 1.0 - r,
+                   "delay_s": 0.5 * r} for e in epochs for r in (0, 1)]).to_csv(d / "ranks.csv", index=False)
+    pd.DataFrame([{"epoch": e, "step": 0, "rank": r, "batch_size": 32, "compute_s": 0.1, "wait_s": 0.0,
+                   "delay_s": 0.0} for e in epochs for r in (0, 1)]).to_csv(d / "steps.csv", index=False)
+
+
+def test_summary_table_speedup_target_and_spread(tmp_path):
+    _fake_run(tmp_path, "sync-0", "sync", 0, [10, 20], [0.5, 0.9])
+    _fake_run(tmp_path, "sync-1", "sync", 1, [12, 22], [0.6, 0.7])
+    _fake_run(tmp_path, "dp-0", "dp", 0, [5, 10], [0.8, 0.9])
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text(json.dumps({"config": {
+        "model": "tiny", "scheme": "dp", "hetero": "1:delay=0.1", "seed": 1, "global_batch": 64, "epochs": 2}}))
+    frames = analysis.load(tmp_path)
+    assert list(frames.runs["status"]).count("completed") == 3 and len(frames.runs) == 4
+    t = analysis.summary_table(frames, target_top1=0.75).set_index("scheme")
+    assert list(t.index) == ["sync", "dp"]  # Sync-SGD first; the unfinished run left out
+    assert t.loc["sync", "seeds"] == 2 and t.loc["sync", "train_time_s_mean"] == 21
+    assert t.loc["sync", "train_time_s_sd"] == pytest.approx(np.std([20, 22], ddof=1))
+    assert t.loc["dp", "speedup_vs_sync"] == pytest.approx(21 / 10)
+    assert t.loc["sync", "reached_target"] == 1 and t.loc["sync", "time_to_target_s_mean"] == 20  # seed 1 never
+    assert t.loc["dp", "time_to_target_s_mean"] == 5
+    assert t.loc["sync", "final_test_top1_mean"] == pytest.approx(0.8)
+    auto = analysis.summary_table(frames)  # 95% of the worst scheme's mean final top-1 (sync: 0.8)
+    assert auto["target_top1"].iloc[0] == pytest.approx(0.76)
+    tb = analysis.time_breakdown(frames).set_index(["scheme", "rank", "part"])["seconds"]
+    assert tb[("sync", 1, "own compute")] == 2 * (2.0 - 0.5) and tb[("sync", 1, "emulated slowdown")] == 1.0
+    assert tb[("dp", 0, "waiting for other ranks")] == 2.0 and tb[("dp", 0, "evaluation")] == 1.0
+    text = analysis.format_summary(analysis.summary_table(frames, 0.75))
+    assert text.loc[0, "scheme"] == "Sync-SGD" and "(1/2 seeds)" in text.loc[0, "time to target (s)"]
+
+
+def test_labels_read_as_words():
+    assert analysis.hetero_label("1:delay=0.01") == "rank 1 +10 ms/step"
+    assert analysis.hetero_label("1:slowdown=3") == "rank 1 3\u00d7 slower"
+    assert analysis.hetero_label("") == "homogeneous"

@@ -39,6 +39,7 @@ def launcher_world() -> tuple[int, int] | None:
 
 def gather_json(obj, device: torch.device) -> list:
     """Every rank's JSON-able obj, in rank order (plain data only: nothing unpickled from a peer)."""
+    settle.collectives()
     data = torch.tensor(list(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8)
     world = dist.get_world_size()
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
@@ -146,6 +147,7 @@ def peer_error() -> str | None:
 
 def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """All ranks' float64 rows, stacked in rank order: [world, *values.shape], on the CPU."""
+    settle.collectives()
     t = values.to(device=device, dtype=torch.float64).contiguous()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
@@ -154,6 +156,7 @@ def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def sum_all(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Element-wise float64 sum over ranks (exact metric totals)."""
+    settle.collectives()
     t = values.to(device=device, dtype=torch.float64, copy=True)
     dist.all_reduce(t)
     return t.cpu()

@@ -51,6 +51,7 @@ from .records import Decision, StepRecord
 from .rules import check_sit_out, fraction, micro_batch_too_big, whole
 from .sampler import BalancedBatchSampler
 from .schedule import ENDLESS, Schedule
+from .settle import settle
 from .step import Step
 
 __all__ = ["Balance", "BalancedBatchSampler", "Decision", "HeteroError", "StepRecord", "balance_hook"]
@@ -248,6 +249,7 @@ class Balance:
         from . import fsdp  # torch only; refuses FSDP1, DDP around FSDP2, a non-root, ...
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, self.size):
             self._fsdp = fsdp.attach(self, model)
+        settle.collectives()  # this process runs collectives: its exit waits for gloo's threads (settle.py)
         self._device = next(model.parameters()).device
         self._coll = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
         self._agree("attach")

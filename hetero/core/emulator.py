@@ -1,6 +1,6 @@
 """Heterogeneity emulation: per global rank, extra time inside each training step.
 
-Grammar (README has examples): items separated by ",", each `RANK:EFFECT[@WINDOW]`.
+Grammar (docs/trainer.md has examples): items separated by ",", each `RANK:EFFECT[@WINDOW]`.
   EFFECT  delay=S          constant S seconds per step (the paper's emulation)
           exp=MEAN         exponentially distributed delay per step, mean MEAN seconds (the paper)
           gamma=K/THETA    gamma distributed delay per step, shape K, scale THETA seconds (mean K*THETA)

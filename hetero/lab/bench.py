@@ -1,4 +1,4 @@
-"""The benchmark suite on CPU ranks, measured side by side in one run (README: benchmarks, for the method):
+"""The benchmark suite on CPU ranks, measured side by side in one run (docs/benchmarks.md, for the method):
 balance efficiency against each run's own ideal, the trainer's overhead over a plain DDP loop, the API's FSDP2
 step over plain FSDP2's (docs/fsdp.md), the time of one rebalancing decision for 2 to 4096 workers, and the
 Hugging Face Trainer with hetero over the plain one (docs/huggingface.md).
@@ -80,7 +80,7 @@ QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, re
 
 # -- the report -----------------------------------------------------------------------------------------------
 def checks(res: dict) -> list[dict]:
-    """The suite's targets (README: benchmarks), each with the measured value and whether it passes; balance rows
+    """The suite's targets (docs/benchmarks.md), each with the measured value and whether it passes; balance rows
     by their median over the repeats."""
     out = []
     summ = res.get("balance_summary", [])

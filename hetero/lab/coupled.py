@@ -6,7 +6,7 @@ slowdown), the other has the core alone. With CPU work w_i (core-seconds at a fu
 rank i's compute ends after sum over its core-mates j (itself included) of min(w_i, w_j) seconds. A rank that then
 sleeps (factor F_i: the emulated slowdown waits (F_i - 1) x its own measured compute; delay d_i seconds) ends its step
 at F_i x that + d_i. A per-rank affine model cannot express this (a rank's time depends on its core-mate's batch),
-so the bench's ideal and the simulator's replay use this model when ranks share cores (README: benchmarks).
+so the bench's ideal and the simulator's replay use this model when ranks share cores (docs/benchmarks.md).
 Pure numpy; a rank with batch 0 sits the step out (no work, no delay).
 """
 from __future__ import annotations

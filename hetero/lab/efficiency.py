@@ -1,6 +1,6 @@
 """Part 1 of `make bench`: balance efficiency. Each scheme with the last rank slowed (x F) or delayed (a constant
-sleep per step), repeated; each run's steady epoch time over the ideal computed from its own steps.csv (README:
-benchmarks, for the method).
+sleep per step), repeated; each run's steady epoch time over the ideal computed from its own steps.csv
+(docs/benchmarks.md, for the method).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def effects(suite: Suite, world: int, calib: tuple[float, float]) -> list[tuple[
 
 def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int, hetero: str = "",
                cores=None, micro_batch: int = 0) -> dict:
-    """One run's cost model from its steps.csv (steady-state steps; README: benchmarks). Rank i's CPU work for a
+    """One run's cost model from its steps.csv (steady-state steps; docs/benchmarks.md). Rank i's CPU work for a
     batch b is s_i x (a + c x b) core-seconds; ranks sharing a core (`cores`, a label per rank; None: a core each)
     share it fairly (hetero.lab.coupled), and a rank's step ends at F_i x its compute wall + d_i: F_i its emulated
     slowdown (from `hetero`), d_i its mean measured sleep beyond that. s_i is fitted from the measured compute walls

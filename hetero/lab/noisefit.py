@@ -7,7 +7,7 @@ Fitted per rank: the spread and skew of log jitter, its lag-1 autocorrelation wi
 across ranks at one step (ranks sharing a core). The replay draws the jitter by a circular block bootstrap of whole
 steps (every rank at once), so the tail, the time correlation within a block and the cross-rank correlation are the
 run's own; `NoiseFit.ar1` is the parametric alternative (correlated Gaussian AR(1) on log jitter: no skew).
-README: "Replaying a bench run".
+docs/balancers.md: "Replaying a bench run".
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Overheads over plain DDP (part of `make bench`): no heterogeneity, 2 ranks, the same model, batch, optimiser and
-DDP options, measured side by side in the same processes (README: benchmarks). Two pairs: the built-in trainer
+DDP options, measured side by side in the same processes (docs/benchmarks.md). Two pairs: the built-in trainer
 against a plain loop over the same data tensor, and the public API (hetero.Balance, edp, rebalancing every
 REBALANCE_EVERY steps) against plain DDP through the same DataLoader (a DistributedSampler there).
 

@@ -19,7 +19,7 @@ from .simulator import Scenario, compare
 
 def benchmark(worlds=(2, 16, 1024), epochs: int = 40, steps_per_epoch: int = 50, per_rank_batch: int = 512,
               noise: float = 0.0, seed: int = 0) -> pd.DataFrame:
-    """One row per world size: step time over the optimum, epochs to within 2% (README: make sim-bench, settings)."""
+    """One row per world size: step time over the optimum, epochs to within 2% (docs/balancers.md: sim-bench)."""
     rows = []
     for n in worlds:
         if n == 2:

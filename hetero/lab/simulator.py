@@ -7,7 +7,7 @@ cycle windows). A step lasts as long as its slowest rank; the others idle. The s
 the trainer uses, sees each rank's own time and re-decides at the same points as the trainer: every
 rebalance_every steps and at each epoch end. The optimum at each step is the step time of the oracle: the
 minimax-optimal integer sizes for the ranks' true mean costs at that step, under the same noise and delay draws.
-Vectorised over ranks and over the steps between decisions (README: the simulator; its benchmark: hetero.lab.simbench).
+Vectorised over ranks and over the steps between decisions (docs/balancers.md; its benchmark: hetero.lab.simbench).
 """
 from __future__ import annotations
 

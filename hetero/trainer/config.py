@@ -84,7 +84,7 @@ BACKEND_CHOICES = ("auto", "gloo", "nccl")
 
 
 def _opt(default, help: str, choices: tuple[str, ...] = ()):  # noqa: A002 - argparse's word
-    """A Config field with its --help text (and choices): the one source for the parser, make help and README."""
+    """A Config field with its --help text (and choices): the one source for the parser, make help and the docs."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -92,7 +92,7 @@ def _opt(default, help: str, choices: tuple[str, ...] = ()):  # noqa: A002 - arg
 class Config:
     model: str = _opt("vgg16", "the network", MODEL_CHOICES)
     scheme: str = _opt("edp", "how work is split: sync, dp, edp are the paper's, affine is model-based", SCHEME_CHOICES)
-    hetero: str = _opt("", 'heterogeneity emulation spec, e.g. "1:delay=0.1" (README: grammar)')
+    hetero: str = _opt("", 'heterogeneity emulation spec, e.g. "1:delay=0.1" (the grammar: docs/trainer.md)')
     epochs: int = _opt(150, "training epochs")
     global_batch: int = _opt(256, "samples per step over all ranks (B)")
     min_batch: int = _opt(1, "smallest per-rank batch any scheme may assign")

@@ -1,5 +1,5 @@
-"""--help, make help and the README's flag table come from one source (the Config fields' metadata); make lab keeps
---allow-root as root; the Jupyter kernel lives in the venv and papermill uses it.
+"""--help, make help and the docs' flag table (docs/trainer.md) come from one source (the Config fields' metadata);
+make lab keeps --allow-root as root; the Jupyter kernel lives in the venv and papermill uses it.
 Here the cases in one process; those that launch processes: tests/integration/test_cli_help_launch.py."""
 from __future__ import annotations
 
@@ -35,6 +35,6 @@ def test_choices_match_what_validation_accepts():
                 Config(**{name: "not-a-choice"})
 
 
-def test_readme_flag_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
-    assert flag_table(markdown=True) in readme, "regenerate it: python -m hetero.trainer.cli --markdown"
+def test_docs_flag_table_is_the_generated_one():
+    page = (ROOT / "docs" / "trainer.md").read_text()
+    assert flag_table(markdown=True) in page, "regenerate it: python -m hetero.trainer.cli --markdown"

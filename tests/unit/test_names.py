@@ -29,3 +29,14 @@ def test_readme_layout_names_every_module_and_only_files_that_exist():
     modules = {str(p.relative_to(ROOT)) for d in ("hetero", "scripts") for p in (ROOT / d).rglob("*.py")
                if p.name not in ("__init__.py", "__main__.py")}
     assert modules <= named, modules - named
+
+
+def test_the_docs_example_diffs_are_the_examples_diffs():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("example_diffs", ROOT / "scripts" / "example_diffs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        assert mod.regenerate(text) == text, f"{page.name}: stale example diff (run python scripts/example_diffs.py)"
+    assert mod.NAMED.search((ROOT / "docs" / "own-loop.md").read_text())  # the check can see a named diff

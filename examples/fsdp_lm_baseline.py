@@ -43,7 +43,7 @@ class CharWindows(Dataset):
 def read_text(data: str) -> bytes:
     """The bytes of --data (a file, or every *.md, *.py and *.txt under a folder), else of this checkout's files."""
     if not data:
-        files = sorted(ROOT.glob("*.md")) + sorted((ROOT / "hetero").glob("*.py"))
+        files = sorted(ROOT.glob("*.md")) + sorted((ROOT / "hetero").rglob("*.py"))
     elif os.path.isfile(data):
         files = [Path(data)]
     else:

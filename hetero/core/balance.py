@@ -45,6 +45,7 @@ from .balancer import Balancer
 from .emulator import Emulator, parse_hetero
 from .guard import OptimizerGuard
 from .hook import balance_hook, spend_delay
+from .identity import ENV as IDENTITY_ENV
 from .identity import default_identity, duplicate, remap
 from .partition import SCHEMES, batch_sizes, check_feasible
 from .probe import probe_all
@@ -264,14 +265,21 @@ class Balance:
         self._model = model
 
     def _gather_identities(self) -> None:
-        own = self._worker_id or default_identity(self._device)
-        ids = [own]
+        """Every rank's identity; named ones must differ, default ones that coincide (unpinned CPU workers of two
+        agents on one host) are told apart by their rank."""
+        named = bool(self._worker_id or os.environ.get(IDENTITY_ENV, "").strip())
+        own = [self._worker_id or default_identity(self._device), named]
+        pairs = [own]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            ids = [None] * dist.get_world_size()
-            dist.all_gather_object(ids, own)
-        if (pair := duplicate(ids)) is not None:
-            raise HeteroError(f"hetero: ranks {pair[0]} and {pair[1]} are both worker {ids[pair[0]]!r}: give each "
-                              f"worker its own name (HETERO_WORKER_ID, or Balance(worker_id=...))")
+            pairs = [None] * dist.get_world_size()
+            dist.all_gather_object(pairs, own)
+        ids = [name for name, _ in pairs]
+        while (pair := duplicate(ids)) is not None:
+            if pairs[pair[0]][1] or pairs[pair[1]][1]:
+                raise HeteroError(f"hetero: ranks {pair[0]} and {pair[1]} are both worker {ids[pair[0]]!r}: give "
+                                  f"each worker its own name (HETERO_WORKER_ID, or Balance(worker_id=...))")
+            same = ids[pair[0]]
+            ids = [f"{n} (rank {r})" if n == same else n for r, n in enumerate(ids)]
         self.identities = ids
 
     def _count_forward(self, module, args) -> None:

@@ -207,6 +207,11 @@ def own_samples(plan: EpochPlan, step: int, sizes: np.ndarray, rank: int) -> tup
     return plan.indices(step, sizes, 0)[:2], 0.0
 
 
+def _float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers each rank keeps apart during an epoch (batch-norm statistics; dist.average_buffers)."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
 def _numpy_rng_plain(state: tuple) -> list:
     """numpy's legacy RNG state as plain lists and numbers, so the checkpoint loads with weights_only=True."""
     name, keys, pos, has_gauss, cached = state
@@ -295,6 +300,9 @@ class Trainer:
         self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank))
         if part and part.get("identities") == bal.identities and part.get("loader"):  # the same workers: exact
             self.train_loader.gen.set_state(part["loader"][w.rank])
+            with torch.no_grad():  # each rank's own batch-norm statistics (averaged only at the epoch's end)
+                for b, saved in zip(_float_buffers(self.model), part["buffers"][w.rank]):
+                    b.copy_(saved)
         elif part:  # another world: fresh augmentation draws for the rest of the epoch, from (epoch, step, rank)
             self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank + 1000 * start))
         bal.set_epoch(epoch)  # the emulator's draws follow the epoch
@@ -371,9 +379,10 @@ class Trainer:
         self._check_finite(epoch, first_bad)
         bal.observe_now()  # the steps since the last decision go into the balancer's state
         segments, totals, train_s = self._gathered(start, None, sums, t0)
-        loaders = [None] * w.size
+        loaders, buffers = [None] * w.size, [None] * w.size
         dist.all_gather_object(loaders, self.train_loader.gen.get_state().cpu())
-        new = {"epoch": epoch, "step": step, "identities": bal.identities, "loader": loaders,
+        dist.all_gather_object(buffers, [b.detach().cpu() for b in _float_buffers(self.model)])
+        new = {"epoch": epoch, "step": step, "identities": bal.identities, "loader": loaders, "buffers": buffers,
                "segments": (part["segments"] if part else []) + [g.plain() for g in segments],
                "totals": (np.asarray(part["totals"], float) + totals if part else totals).tolist(),
                "train_s": train_s + (part["train_s"] if part else 0.0)}

@@ -77,4 +77,5 @@ def test_a_mid_epoch_state_goes_on_at_its_step():
     again.begin_step()
     assert again.current_step().index == 3
     again.end_step()
-    assert again.state_dict()["global_step"] == 4
+    again.observe_now()
+    assert again.state_dict()["global_step"] == 4 and again.state_dict()["step"] == 4

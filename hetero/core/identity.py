@@ -3,7 +3,9 @@
 A rank number names a place in one world; after a restart with more or fewer workers, rank 1 may be another
 machine. The balancer's estimates (speed, cost fits) are therefore kept per worker identity: by default the host
 and the device (a GPU's UUID; on a CPU the cores it is pinned to, else its local rank on the host), or the name a
-user gives it (HETERO_WORKER_ID in the worker's environment, or Balance(worker_id=...)).
+user gives it (HETERO_WORKER_ID in the worker's environment, e.g. set for a node's torchrun agent, whose workers
+then add their local rank when it runs several; or Balance(worker_id=...)). Two agents on one host (a test of
+elasticity) run workers that nothing tells apart but such a name.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ ENV = "HETERO_WORKER_ID"
 
 def default_identity(device: torch.device) -> str:
     """This worker's identity: HETERO_WORKER_ID if set, else host and device (GPU UUID, pinned cores, local rank)."""
-    if named := os.environ.get(ENV, "").strip():
-        return named
+    if named := os.environ.get(ENV, "").strip():  # set per node (agent): its workers add their local rank
+        return named if os.environ.get("LOCAL_WORLD_SIZE", "1") == "1" else f"{named}/local rank " \
+            f"{os.environ.get('LOCAL_RANK', '0')}"
     host = socket.gethostname()
     if device.type == "cuda":
         from .memory import gpu_identity

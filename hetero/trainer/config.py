@@ -222,13 +222,14 @@ class Config:
         if (r := micro_batch_too_big(m, given)) is not None:
             raise ConfigError(f"--micro-batch {m} exceeds --max-batch {given[r]} (it bounds the micro-batch)")
 
-    def check_world(self, world: int) -> None:
-        """The checks that need the world size (known once torchrun has started us, or from NPROC)."""
+    def check_world(self, world: int, elastic: bool = False) -> None:
+        """The checks that need the world size (known once torchrun has started us, or from NPROC). elastic: a
+        torchrun restart resuming its own run, where a --hetero rank past a smaller world emulates nobody."""
         from ..core.emulator import parse_hetero
         from ..core.partition import check_feasible
 
         bad = [r for r in parse_hetero(self.hetero) if r >= world]
-        if bad:
+        if bad and not elastic:
             raise ConfigError(f"bad --hetero {self.hetero!r}: rank {bad[0]} is not below the world size {world}")
         for name in ("device", "threads", "max_batch", "affinity"):
             n = len(getattr(self, name).split(",")) if getattr(self, name) else 0

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..core.agree import gather_rows, sum_all
 from ..core.balance import Balance
+from ..core.emulator import within
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
 from .config import Config, ConfigError, shown
@@ -191,8 +192,8 @@ def make_balance(cfg: Config, rank: int, world_size: int, replay: dict | None = 
                   max_batch=["probe" if s.probe else None if s.max_batch == float("inf") else int(s.max_batch)
                              for s in cfg.rank_settings(world_size)])
     bal.set_world(rank, world_size)
-    if cfg.hetero:
-        bal.emulate(cfg.hetero)
+    if spec := within(cfg.hetero, world_size):  # all of it but under an elastic restart onto fewer ranks
+        bal.emulate(spec)
     if replay is not None:
         bal.replay(replay)
     return bal

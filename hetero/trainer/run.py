@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import signal
 import socket
@@ -152,6 +153,17 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="hetero-launcher-watch", daemon=True).start()
 
 
+def same_torchrun_run(run_dir: Path, run_id: str) -> bool:
+    """Whether the folder's run was started by this torchrun job (its config.json records the run id)."""
+    if not run_id or run_id == "none":
+        return False
+    try:
+        meta = json.loads(safeio.read_bytes(run_dir / "config.json"))
+        return isinstance(meta, dict) and (meta.get("torchrun") or {}).get("TORCHELASTIC_RUN_ID") == run_id
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
     """The run folder and whether to resume: explicit, or after a torchrun restart the same one again."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -163,7 +175,9 @@ def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
         else:
             run_dir = str(default_run_dir(cfg, datetime.now().strftime("%Y%m%d-%H%M%S")))
     has_checkpoint = (Path(run_dir) / "checkpoint.pt").exists()
-    resume = bool(cfg.resume) or (restarted and has_checkpoint)
+    # torchrun restarts its workers when one fails (RESTART_COUNT grows) and when a node joins (it does not; a
+    # joining node's workers start at 0): both continue their own run, known by torchrun's run id
+    resume = bool(cfg.resume) or (has_checkpoint and (restarted or same_torchrun_run(Path(run_dir), run_id)))
     # a restart before the first checkpoint starts the run again in its own folder
     overwrite = cfg.overwrite or (restarted and not has_checkpoint)
     return dataclasses.replace(cfg, run_dir=run_dir, overwrite=overwrite and not resume), resume
@@ -186,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg, ns = parse_args(argv)
         if cfg.resume:  # continue with the recorded configuration
             cfg = resumed_config(cfg, ns.given, world_size)
-        cfg.check_world(world_size)
+        given_resume = bool(cfg.resume)
+        cfg, resume = resolve_run_dir(cfg)
+        cfg.check_world(world_size, elastic=resume and not given_resume)
         first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
         cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
-        cfg, resume = resolve_run_dir(cfg)
         saved_state = None
         if rank == 0:  # the folder's lock before anything is written into it; held until this process ends
             lock = claim_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)

@@ -335,9 +335,12 @@ class Balance:
         rank, and fixed once asked for (a sampler handing the step out asks)."""
         return self.schedule.sizes(epoch, step, self._position(epoch, step))
 
-    def start_epoch_iteration(self, epoch: int) -> None:
-        """A sampler starts handing out `epoch`: refuse a second pass over steps already handed out."""
-        self.schedule.start_iteration(epoch, self._position(epoch, 0))
+    def start_epoch_iteration(self, epoch: int) -> int:
+        """A sampler starts handing out `epoch`: refuse a second pass over steps already handed out. Returns the
+        step to start at: 0, or where a mid-epoch state (load_state_dict) goes on."""
+        first = self._ended if self._started == epoch else 0
+        self.schedule.start_iteration(epoch, self._position(epoch, first))
+        return first
 
     @property
     def micro_batches(self) -> int:

@@ -79,3 +79,18 @@ def test_a_mid_epoch_state_goes_on_at_its_step():
     again.end_step()
     again.observe_now()
     assert again.state_dict()["global_step"] == 4 and again.state_dict()["step"] == 4
+
+
+def test_the_sampler_of_a_resumed_epoch_starts_at_its_step():
+    bal = Balance(global_batch=B, scheme="sync")
+    bal.set_world(0, 1)
+    sampler = bal.batch_sampler(10 * B)
+    bal.set_epoch(1)
+    every = list(sampler)
+    assert len(every) == 10
+    again = Balance(global_batch=B, scheme="sync")
+    again.set_world(0, 1)
+    rest = again.batch_sampler(10 * B)
+    again.load_state_dict({**bal.state_dict(), "epoch": 1, "step": 4, "global_step": 4})
+    again.set_epoch(1)
+    assert list(rest) == every[4:]  # the steps not yet trained, each once

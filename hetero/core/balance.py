@@ -109,6 +109,7 @@ class Balance:
         self._fsdp = None  # an FSDP2 model's schedule (fsdp.py), set by attach
         self.sync_now = True  # the micro-batch running now (or next) all-reduces
         self._guard: OptimizerGuard | None = None  # the optimizer-step guard, from attach (guard.py)
+        self._observed_at: tuple | None = None  # (epoch, steps ended) at the last observe_now()
         self._worker_id = worker_id
         self.identities: list[str] | None = None  # every rank's worker identity, gathered at attach
         if (known := launcher_world()) is not None:
@@ -505,6 +506,7 @@ class Balance:
     def observe_now(self) -> None:
         """Collective, between steps: fold the steps since the last decision into the balancer's observations, so
         that a state_dict taken now (mid-epoch) keeps them. The next decision then sees the same sums."""
+        self._observed_at = (self._started, self._ended)
         if self.scheme.rule == "static" or self.replayed:
             return
         window = self.epoch_records()[self._decided_upto:]
@@ -516,16 +518,14 @@ class Balance:
             self.balancer.observe(np.stack([r.sizes for r in window]), rows.T)
 
     def state_dict(self) -> dict:
-        """Plain lists and numbers (loadable with torch.load(weights_only=True)), at an epoch's end or, after
-        observe_now() on every rank, between two steps: `step` steps of `epoch` have run (0: none, or it ended).
-        `identities` (every rank's worker, from attach) lets load_state_dict carry estimates to another world."""
-        if self._step is not None:
-            raise HeteroError("hetero: state_dict() inside a step: take it between steps")
-        mid = self._started is not None and 0 < self._ended < (self.steps_per_epoch or ENDLESS)
-        if mid and self._decided_upto < len(self._unread) + len(self.records) and self.scheme.rule != "static" \
-                and not self.replayed:
-            raise HeteroError("hetero: state_dict() mid-epoch with steps not yet observed: call bal.observe_now() "
-                              "on every rank first")
+        """Plain lists and numbers (loadable with torch.load(weights_only=True)). Taken between two steps right
+        after observe_now() on every rank, it holds the position: `step` steps of `epoch` have run, and
+        load_state_dict goes on there (the sampler starts at that step). Otherwise `step` is 0: the epoch's
+        position is the loop's own to restore (a Hugging Face Trainer skips the batches it ran), and the steps since
+        the last decision are not in it. `identities` (every rank's worker, from attach) lets load_state_dict
+        carry the estimates to another world."""
+        mid = self._started is not None and 0 < self._ended < (self.steps_per_epoch or ENDLESS) \
+            and self._step is None and self._observed_at == (self._started, self._ended)
         return {"balancer": self.balancer.state_dict(), "epoch": self.epoch, "global_step": self.global_step,
                 "step": self._ended if mid else 0, "identities": self.identities}
 

@@ -340,10 +340,9 @@ class Trainer:
         self._check_finite(epoch, first_bad)
         segments, totals, train_s = self._gathered(start, part, sums, t0)
         self.partial = None
-        now = [g for g in segments if g.sizes.shape[1] == w.size]
         first = max((i for i, g in enumerate(segments) if g.sizes.shape[1] != w.size), default=-1) + 1
         earlier = [row for g in segments[:first] for row in g.rows(epoch)]  # the epoch's steps in another world
-        g = joined(segments[first:]) if now else Segment(start, np.zeros((0, w.size), np.int64),
+        g = joined(segments[first:]) if segments[first:] else Segment(start, np.zeros((0, w.size), np.int64),
                                                           *(np.zeros((w.size, 0)),) * 3)
         return EpochResult(g.sizes, g.compute_s, g.wait_s, g.delay_s, train_s, float(totals[0] / totals[2]),
                            float(totals[1] / totals[2]), g.first_step, earlier)

@@ -40,13 +40,23 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from .agree import HeteroError, agree, gather_rows, guarded, launcher_world, peer_error, same_steps
+from .agree import (
+    IDENTITY_ENV,
+    HeteroError,
+    agree,
+    default_identity,
+    duplicate_identity,
+    gather_rows,
+    guarded,
+    launcher_world,
+    peer_error,
+    remap_identities,
+    same_steps,
+)
 from .balancer import Balancer
 from .emulator import Emulator, parse_hetero
 from .guard import OptimizerGuard
 from .hook import balance_hook, spend_delay
-from .identity import ENV as IDENTITY_ENV
-from .identity import default_identity, duplicate, remap
 from .partition import SCHEMES, batch_sizes, check_feasible
 from .probe import probe_all
 from .records import Decision, StepRecord
@@ -76,7 +86,7 @@ class Balance:
         micro_batch m > 0: every rank's micro-batch is m samples and the balancer decides how many (k_i >= 1)
         each rank runs per step; max_batch then bounds m, not k_i * m.
         worker_id: this worker's identity, which its balancer estimate is kept under across restarts and changes
-        of world size (None: HETERO_WORKER_ID, else host and device; identity.py).
+        of world size (None: HETERO_WORKER_ID, else host and device; agree.py).
         The rank and world are read from the process group or torchrun's environment when there is one, else
         when first needed (Lightning's callback sets them in its setup)."""
         if scheme not in SCHEMES:
@@ -275,7 +285,7 @@ class Balance:
             pairs = [None] * dist.get_world_size()
             dist.all_gather_object(pairs, own)
         ids = [name for name, _ in pairs]
-        while (pair := duplicate(ids)) is not None:
+        while (pair := duplicate_identity(ids)) is not None:
             if pairs[pair[0]][1] or pairs[pair[1]][1]:
                 raise HeteroError(f"hetero: ranks {pair[0]} and {pair[1]} are both worker {ids[pair[0]]!r}: give "
                                   f"each worker its own name (HETERO_WORKER_ID, or Balance(worker_id=...))")
@@ -531,11 +541,14 @@ class Balance:
 
     def load_state_dict(self, state: dict, identities: list[str] | None = None) -> None:
         """Resume from state_dict(); a state saved by another world size (or rank order) is carried over by worker
-        identity (identity.remap: a worker seen before keeps its estimate, a new one starts neutral). identities:
-        this world's, when attach has not gathered them."""
+        identity (agree.remap_identities: a worker seen before keeps its estimate, a new one starts neutral).
+        identities: this world's, when attach has not gathered them."""
         saved = state["balancer"]
+        ids = state.get("identities")
+        if ids is not None and len(ids) != len(saved["shares"]):
+            raise ValueError(f"a balancer state of {len(saved['shares'])} rank(s) with {len(ids)} identities")
         now = identities or self.identities
-        src = remap(state.get("identities"), len(saved["shares"]), now, self.size)
+        src = remap_identities(state.get("identities"), len(saved["shares"]), now, self.size)
         if src == list(range(self.size)) and len(saved["shares"]) == self.size:
             self.balancer.load_state_dict(saved)
         else:

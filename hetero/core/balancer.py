@@ -195,6 +195,8 @@ class Balancer:
         decision count is kept (affine does not probe again)."""
         known = [i for i in src if i is not None]
         old_world = len(d["shares"])
+        if any(v is not None and len(v) != old_world for v in (d["sizes"], d["fixed_s"], d["per_sample_s"])):
+            raise ValueError(f"a balancer state whose per-rank arrays are not all of {old_world} ranks")
         if any(not 0 <= i < old_world for i in known) or len(set(known)) != len(known):
             raise ValueError(f"a remap {src} of a {old_world}-rank state names a rank twice or outside it")
 

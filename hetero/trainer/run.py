@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import safeio
-from ..core.agree import HeteroError
-from ..core.identity import remap
+from ..core.agree import HeteroError, remap_identities
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, default_run_dir, shown
 from .data import DataError, load_data
@@ -60,7 +59,7 @@ def membership_rows(trainer: Trainer, world: World) -> list[dict]:
     now, ids = datetime.now().isoformat(timespec="seconds"), trainer.balance.identities
     was = trainer.resumed_from or {"identities": [], "world": 0, "epoch": 0, "step": 0}
     old = was["identities"] or []
-    src = remap(old, was["world"], ids, world.size) if was["world"] else [None] * world.size
+    src = remap_identities(old, was["world"], ids, world.size) if was["world"] else [None] * world.size
     base = {"time": now, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "epoch": was["epoch"],
             "step": was["step"], "old_world": was["world"], "world": world.size}
     rows = [{**base, "rank": r, "old_rank": -1 if src[r] is None else src[r], "identity": ids[r]}

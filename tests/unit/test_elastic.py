@@ -3,9 +3,9 @@ and a Balance's mid-epoch state. The launches: tests/integration/test_elastic_la
 import numpy as np
 import pytest
 
+from hetero.core.agree import remap_identities as remap
 from hetero.core.balance import Balance
 from hetero.core.balancer import Balancer
-from hetero.core.identity import remap
 
 B = 120
 

@@ -92,3 +92,24 @@ def test_the_sampler_of_a_resumed_epoch_starts_at_its_step():
     again.load_state_dict({**bal.state_dict(), "epoch": 1, "step": 4, "global_step": 4})
     again.set_epoch(1)
     assert list(rest) == every[4:]  # the steps not yet trained, each once
+
+
+def test_default_identity_is_the_given_name_else_host_and_device(monkeypatch):
+    import socket
+
+    import torch
+
+    from hetero.core.agree import default_identity
+
+    monkeypatch.setenv("HETERO_WORKER_ID", "spot-7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_identity(torch.device("cpu")) == "spot-7"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a node's agent named, with two workers
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert default_identity(torch.device("cpu")) == "spot-7/local rank 1"
+    monkeypatch.delenv("HETERO_WORKER_ID")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert default_identity(torch.device("cpu")) == f"{socket.gethostname()}/cpu cores 0"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert default_identity(torch.device("cpu")) == f"{socket.gethostname()}/cpu local rank 1"  # unpinned

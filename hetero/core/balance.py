@@ -40,7 +40,19 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from .agree import HeteroError, agree, gather_rows, guarded, launcher_world, peer_error, same_steps
+from .agree import (
+    IDENTITY_ENV,
+    HeteroError,
+    agree,
+    default_identity,
+    duplicate_identity,
+    gather_rows,
+    guarded,
+    launcher_world,
+    peer_error,
+    remap_identities,
+    same_steps,
+)
 from .balancer import Balancer
 from .emulator import Emulator, parse_hetero
 from .guard import OptimizerGuard
@@ -65,7 +77,7 @@ class Balance:
     def __init__(self, *, global_batch: int, scheme: str = "edp", rebalance_every: int = 0, smoothing: float = 0.0,
                  deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1,
                  max_batch: int | str | Sequence | None = None, seed: int = 0, lag: int | None = None,
-                 sit_out: bool = False, micro_batch: int = 0):
+                 sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None):
         """scheme: sync, dp, edp or affine. rebalance_every K: decide every K steps (0: at epoch ends only).
         smoothing, deadband, significance: how eagerly a decision follows the measured times (balancer.py).
         min_batch: the smallest batch a rank gets. max_batch: an int, "probe" (bal.probe finds it on a GPU), or
@@ -74,6 +86,8 @@ class Balance:
         sit_out (affine): a rank may get batch 0; its loop must still run forward and backward (weight 0).
         micro_batch m > 0: every rank's micro-batch is m samples and the balancer decides how many (k_i >= 1)
         each rank runs per step; max_batch then bounds m, not k_i * m.
+        worker_id: this worker's identity, which its balancer estimate is kept under across restarts and changes
+        of world size (None: HETERO_WORKER_ID, else host and device; agree.py).
         The rank and world are read from the process group or torchrun's environment when there is one, else
         when first needed (Lightning's callback sets them in its setup)."""
         if scheme not in SCHEMES:
@@ -106,6 +120,9 @@ class Balance:
         self._fsdp = None  # an FSDP2 model's schedule (fsdp.py), set by attach
         self.sync_now = True  # the micro-batch running now (or next) all-reduces
         self._guard: OptimizerGuard | None = None  # the optimizer-step guard, from attach (guard.py)
+        self._observed_at: tuple | None = None  # (epoch, steps ended) at the last observe_now()
+        self._worker_id = worker_id
+        self.identities: list[str] | None = None  # every rank's worker identity, gathered at attach
         if (known := launcher_world()) is not None:
             self.set_world(*known)
 
@@ -253,11 +270,30 @@ class Balance:
         self._device = next(model.parameters()).device
         self._coll = self._device if dist.get_backend() == "nccl" else torch.device("cpu")
         self._agree("attach")
+        self._gather_identities()
         if self._fsdp is None:
             model.register_comm_hook(self, balance_hook)
         model.register_forward_pre_hook(self._count_forward)
         self._guard = OptimizerGuard(self, model)
         self._model = model
+
+    def _gather_identities(self) -> None:
+        """Every rank's identity; named ones must differ, default ones that coincide (unpinned CPU workers of two
+        agents on one host) are told apart by their rank."""
+        named = bool(self._worker_id or os.environ.get(IDENTITY_ENV, "").strip())
+        own = [self._worker_id or default_identity(self._device), named]
+        pairs = [own]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            pairs = [None] * dist.get_world_size()
+            dist.all_gather_object(pairs, own)
+        ids = [name for name, _ in pairs]
+        while (pair := duplicate_identity(ids)) is not None:
+            if pairs[pair[0]][1] or pairs[pair[1]][1]:
+                raise HeteroError(f"hetero: ranks {pair[0]} and {pair[1]} are both worker {ids[pair[0]]!r}: give "
+                                  f"each worker its own name (HETERO_WORKER_ID, or Balance(worker_id=...))")
+            same = ids[pair[0]]
+            ids = [f"{n} (rank {r})" if n == same else n for r, n in enumerate(ids)]
+        self.identities = ids
 
     def _count_forward(self, module, args) -> None:
         if module.training and torch.is_grad_enabled() and self._step is not None:
@@ -312,9 +348,12 @@ class Balance:
         rank, and fixed once asked for (a sampler handing the step out asks)."""
         return self.schedule.sizes(epoch, step, self._position(epoch, step))
 
-    def start_epoch_iteration(self, epoch: int) -> None:
-        """A sampler starts handing out `epoch`: refuse a second pass over steps already handed out."""
-        self.schedule.start_iteration(epoch, self._position(epoch, 0))
+    def start_epoch_iteration(self, epoch: int) -> int:
+        """A sampler starts handing out `epoch`: refuse a second pass over steps already handed out. Returns the
+        step to start at: 0, or where a mid-epoch state (load_state_dict) goes on."""
+        first = self._ended if self._started == epoch else 0
+        self.schedule.start_iteration(epoch, self._position(epoch, first))
+        return first
 
     @property
     def micro_batches(self) -> int:
@@ -476,16 +515,57 @@ class Balance:
         return d
 
     # -- checkpoints -------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Plain lists and numbers (loadable with torch.load(weights_only=True)); save at an epoch's end."""
-        return {"balancer": self.balancer.state_dict(), "epoch": self.epoch, "global_step": self.global_step}
+    def observe_now(self) -> None:
+        """Collective, between steps: fold the steps since the last decision into the balancer's observations, so
+        that a state_dict taken now (mid-epoch) keeps them. The next decision then sees the same sums."""
+        self._observed_at = (self._started, self._ended)
+        if self.scheme.rule == "static" or self.replayed:
+            return
+        window = self.epoch_records()[self._decided_upto:]
+        own = torch.tensor([r.compute_s for r in window] or [0.0], dtype=torch.float64)
+        together = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        rows = (guarded(gather_rows, own, self._coll) if together else own[None]).numpy()
+        self._decided_upto = len(self.records)
+        if window:
+            self.balancer.observe(np.stack([r.sizes for r in window]), rows.T)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.balancer.load_state_dict(state["balancer"])
+    def state_dict(self) -> dict:
+        """Plain lists and numbers (loadable with torch.load(weights_only=True)). Taken between two steps right
+        after observe_now() on every rank, it holds the position: `step` steps of `epoch` have run, and
+        load_state_dict goes on there (the sampler starts at that step). Otherwise `step` is 0: the epoch's
+        position is the loop's own to restore (a Hugging Face Trainer skips the batches it ran), and the steps since
+        the last decision are not in it. `identities` (every rank's worker, from attach) lets load_state_dict
+        carry the estimates to another world."""
+        mid = self._started is not None and 0 < self._ended < (self.steps_per_epoch or ENDLESS) \
+            and self._step is None and self._observed_at == (self._started, self._ended)
+        return {"balancer": self.balancer.state_dict(), "epoch": self.epoch, "global_step": self.global_step,
+                "step": self._ended if mid else 0, "identities": self.identities}
+
+    def load_state_dict(self, state: dict, identities: list[str] | None = None) -> None:
+        """Resume from state_dict(); a state saved by another world size (or rank order) is carried over by worker
+        identity (agree.remap_identities: a worker seen before keeps its estimate, a new one starts neutral).
+        identities: this world's, when attach has not gathered them."""
+        saved = state["balancer"]
+        ids = state.get("identities")
+        if ids is not None and len(ids) != len(saved["shares"]):
+            raise ValueError(f"a balancer state of {len(saved['shares'])} rank(s) with {len(ids)} identities")
+        now = identities or self.identities
+        src = remap_identities(state.get("identities"), len(saved["shares"]), now, self.size)
+        if src == list(range(self.size)) and len(saved["shares"]) == self.size:
+            self.balancer.load_state_dict(saved)
+        else:
+            self.balancer.load_remapped(saved, src)
         self.epoch, self.global_step = int(state["epoch"]), int(state["global_step"])
         self.schedule.reset(self.balancer)
         self.records, self._unread, self._decided_upto = [], [], 0
         self._started = None
+        step = int(state.get("step", 0))
+        if step:  # mid-epoch: the epoch goes on at `step` (set_epoch(epoch) now leaves it as it is)
+            if not 0 < step < (self.steps_per_epoch or ENDLESS):
+                raise ValueError(f"a mid-epoch state at step {step} of an epoch of {self.steps_per_epoch} steps")
+            self._started, self._index, self._ended = self.epoch, step, step
+            self.emulator.start_epoch(self.epoch)
+        self._last = self.balancer.sizes
 
     def __getstate__(self) -> dict:  # Lightning's ddp_spawn pickles the callback (before attach: no guard yet)
         if self._guard is not None:

@@ -187,6 +187,39 @@ class Balancer:
             self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
 
 
+    def load_remapped(self, d: dict, src: list[int | None]) -> None:
+        """Load a state saved by another world (or the same workers in another rank order): new rank j takes the
+        estimate of saved rank src[j]; a worker never seen (None) starts from the median of the known ones (a
+        neutral guess, robust to the one slow worker, until its first decision measures it). Shares are then
+        renormalised (they sum to 1) and the sizes recut for this world; the measurement windows restart, the
+        decision count is kept (affine does not probe again)."""
+        known = [i for i in src if i is not None]
+        old_world = len(d["shares"])
+        if any(v is not None and len(v) != old_world for v in (d["sizes"], d["fixed_s"], d["per_sample_s"])):
+            raise ValueError(f"a balancer state whose per-rank arrays are not all of {old_world} ranks")
+        if any(not 0 <= i < old_world for i in known) or len(set(known)) != len(known):
+            raise ValueError(f"a remap {src} of a {old_world}-rank state names a rank twice or outside it")
+
+        def carry(values, normalise: bool):
+            if values is None:
+                return None
+            old = np.asarray(values, float)
+            fill = float(np.nanmedian(old[known])) if known else (1.0 if normalise else np.nan)
+            new = np.array([old[i] if i is not None else fill for i in src], float)
+            return new / new.sum() if normalise else new
+        self.shares = carry(d["shares"], True)
+        self.fixed_s, self.per_sample_s = carry(d["fixed_s"], False), carry(d["per_sample_s"], False)
+        self.decisions = int(d["decisions"])
+        self._pending, self._held, self._probe_sizes = [], [], None
+        self._windows = np.zeros((0, N_STATS, self.world))
+        if self.rule == "affine" and self.fixed_s is not None and np.all(np.isfinite(self.fixed_s)):
+            self.sizes = affine_batch_sizes(self.fixed_s, self.per_sample_s, self.global_batch, self.min_batch,
+                                            self.max_batch, self.sit_out, self.granularity)
+            self.shares = self.sizes / self.global_batch
+        else:
+            self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
+
+
 def noise_s(stats: np.ndarray) -> float:
     """Standard error (s) of the difference of two ranks' mean step times in a window [N_STATS, world], from the
     noisiest rank's scatter about its fitted line (0 for a single step or exact times)."""

@@ -80,6 +80,12 @@ def _window(text: str) -> tuple[str, int, int | None]:
     return ("step" if m[1] else "epoch", a, b)
 
 
+def within(spec: str, world: int) -> str:
+    """The spec's items for ranks below `world` (an elastic restart onto fewer ranks emulates the ranks it has)."""
+    items = filter(None, (s.strip() for s in spec.replace(";", ",").split(",")))
+    return ",".join(i for i in items if int(i.split(":", 1)[0]) < world)
+
+
 def parse_hetero(spec: str) -> dict[int, list[Effect]]:
     """Parse a spec into {global rank: effects}; raises ValueError naming the bad part."""
     out: dict[int, list[Effect]] = {}

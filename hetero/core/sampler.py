@@ -65,9 +65,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         bal, epoch = self.balance, self.balance.epoch
-        bal.start_epoch_iteration(epoch)  # refuses a second pass over steps already handed out
+        first = bal.start_epoch_iteration(epoch)  # refuses a second pass; > 0 in an epoch resumed mid-way
         plan = self.plan(epoch)
         m = bal.micro_batch
-        for step in range(plan.steps):
+        for step in range(first, plan.steps):
             idx = plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()
             yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

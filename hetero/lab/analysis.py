@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +72,9 @@ class Frames:
     epochs: pd.DataFrame   # one row per run and epoch (epochs.csv)
     ranks: pd.DataFrame    # one row per run, epoch and rank (ranks.csv)
     steps: pd.DataFrame    # one row per run, epoch, step and rank (steps.csv)
+    # one row per run and change of world size: the position (in epochs) where the new world started
+    changes: pd.DataFrame = field(default_factory=lambda: pd.DataFrame(columns=["setting", "at_epoch", "old_world",
+                                                                                "world"]))
 
 
 def load(source: str | Path | Sequence[str | Path]) -> Frames:
@@ -101,7 +104,25 @@ def load(source: str | Path | Sequence[str | Path]) -> Frames:
     runs += _unlaunched(source, {r["run"] for r in runs})
     frames = [pd.DataFrame(runs)] + [pd.concat(t, ignore_index=True) if t else pd.DataFrame(columns=RUN_KEYS)
                                      for t in tables.values()]
-    return Frames(*(_in_order(df) for df in frames))
+    out = Frames(*(_in_order(df) for df in frames))
+    changes = [membership_changes(Path(r["run_dir"]), r["setting"], out.epochs[out.epochs.run == r["run"]])
+               for r in runs if r.get("status") == "completed"]
+    if changes := [c for c in changes if len(c)]:
+        out.changes = pd.concat(changes, ignore_index=True)
+    return out
+
+
+def membership_changes(path: Path, setting: str, epochs: pd.DataFrame) -> pd.DataFrame:
+    """A run's changes of world size (membership.csv): where each new world started, in epochs (epoch e done and
+    s of the next's steps: e + s / steps), with the old and new world."""
+    if not (path / "membership.csv").exists():
+        return pd.DataFrame()
+    m = pd.read_csv(path / "membership.csv").drop_duplicates("time")
+    m = m[(m.old_world > 0) & (m.old_world != m.world)]
+    steps = epochs.set_index("epoch")["steps"] if len(epochs) else pd.Series(dtype=float)
+    return pd.DataFrame({"setting": setting, "at_epoch": [e + s / steps.get(e + 1, np.inf) for e, s in
+                                                          zip(m.epoch, m.step)],
+                         "old_world": m.old_world.to_numpy(), "world": m.world.to_numpy()})
 
 
 def _in_order(df: pd.DataFrame) -> pd.DataFrame:

@@ -74,6 +74,20 @@ def _legend_on_top(g: sns.FacetGrid, ncol: int) -> None:
     g.figure.tight_layout()
 
 
+def _mark_changes(g: sns.FacetGrid, frames: Frames, x: str = "epoch") -> None:
+    """A dotted line where a run's world size changed (membership.csv), in each panel of its setting; on a time
+    axis at the seed-mean training time interpolated between the epochs around it."""
+    for (row, _col), ax in g.axes_dict.items():  # row: the setting (both figures facet by row and column)
+        for c in frames.changes[frames.changes.setting == row].itertuples():
+            at = c.at_epoch
+            if x == "time":
+                t = frames.epochs[frames.epochs.setting == row].groupby("epoch")["train_time_s"].mean()
+                at = float(np.interp(at, [0, *t.index], [0.0, *t.to_numpy()]))
+            ax.axvline(at, color="0.4", linestyle=":", linewidth=1)
+            ax.annotate(f"{c.old_world}\u2192{c.world}", (at, 1), xycoords=("data", "axes fraction"),
+                        fontsize="x-small", color="0.3", ha="left", va="top")
+
+
 def curves(frames: Frames, x: str = "epoch") -> plt.Figure:
     """Test loss and top-1 against epoch (x="epoch") or against training wall time (x="time")."""
     df = frames.epochs.copy()
@@ -100,6 +114,7 @@ def curves(frames: Frames, x: str = "epoch") -> plt.Figure:
             if x == "epoch":
                 ax.xaxis.set_major_locator(mticker.MaxNLocator(integer=True))
     g.figure.tight_layout()
+    _mark_changes(g, frames, x)
     _legend_on_top(g, len(order))
     _title(g.figure, f"Test loss and accuracy against {what}",
            f"Line: mean over {_seeds(df)}; band: \u00b11 standard deviation. One row per model and "
@@ -125,6 +140,7 @@ def shares(frames: Frames) -> plt.Figure:
         b = float(batch[setting])
         sec = ax_row[-1].secondary_yaxis("right", functions=(lambda s, b=b: s * b, lambda n, b=b: n / b))
         sec.set_ylabel(f"batch size per step\n(samples; global batch {b:g})", fontsize="small")
+    _mark_changes(g, frames)
     _legend_on_top(g, len(ranks))
     _title(g.figure, "How each step's global batch is split between the ranks, epoch by epoch",
            f"Share = the rank's samples / all samples of the epoch (the shares sum to 1). Line: mean over "

@@ -124,6 +124,8 @@ class Config:
     overwrite: bool = _opt(False, "replace a run folder that already holds a run")
     resume: str = _opt("", "a run folder to continue from its last checkpoint (its config is reused)")
     replay: str = _opt("", "a run folder whose recorded batch sizes this run reuses")
+    checkpoint_every: int = _opt(0, "also checkpoint every K steps inside an epoch, for an exact mid-epoch resume "
+                                    "(0: at epoch ends only)")
     eval_batch: int = _opt(1000, "per-rank evaluation batch size")
     bf16: bool = _opt(False, "bf16 autocast for forward and loss (GPU fast path)")
     channels_last: bool = _opt(False, "channels-last memory format for model and batches (GPU fast path)")
@@ -171,7 +173,8 @@ class Config:
                 raise ConfigError(f"--{_flag(name)} must be positive (got {v})")
         if self.min_batch < 1:  # under DDP every rank joins every all-reduce, so every rank computes something
             raise ConfigError(f"--min-batch must be at least 1 (got {self.min_batch})")
-        for name in ("weight_decay", "subset", "test_subset", "rebalance_every", "seed", "micro_batch"):
+        for name in ("weight_decay", "subset", "test_subset", "rebalance_every", "seed", "micro_batch",
+                     "checkpoint_every"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ConfigError(f"--{_flag(name)} must be non-negative (got {v})")
@@ -219,13 +222,14 @@ class Config:
         if (r := micro_batch_too_big(m, given)) is not None:
             raise ConfigError(f"--micro-batch {m} exceeds --max-batch {given[r]} (it bounds the micro-batch)")
 
-    def check_world(self, world: int) -> None:
-        """The checks that need the world size (known once torchrun has started us, or from NPROC)."""
+    def check_world(self, world: int, elastic: bool = False) -> None:
+        """The checks that need the world size (known once torchrun has started us, or from NPROC). elastic: a
+        torchrun restart resuming its own run, where a --hetero rank past a smaller world emulates nobody."""
         from ..core.emulator import parse_hetero
         from ..core.partition import check_feasible
 
         bad = [r for r in parse_hetero(self.hetero) if r >= world]
-        if bad:
+        if bad and not elastic:
             raise ConfigError(f"bad --hetero {self.hetero!r}: rank {bad[0]} is not below the world size {world}")
         for name in ("device", "threads", "max_batch", "affinity"):
             n = len(getattr(self, name).split(",")) if getattr(self, name) else 0

@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..core.agree import gather_rows, sum_all
 from ..core.balance import Balance
+from ..core.emulator import within
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
 from .config import Config, ConfigError, shown
@@ -46,6 +48,42 @@ class EpochResult:
     train_s: float       # wall time of the epoch's steps on this rank
     train_loss: float    # sample-weighted mean over every rank
     train_top1: float
+    first_step: int = 0  # the step `sizes` starts at: > 0 when the epoch began in another world (earlier rows)
+    earlier: list = field(default_factory=list)  # steps.csv rows of the epoch's steps run by another world
+
+
+@dataclass
+class Segment:
+    """Steps first_step.. of an epoch run by one world, gathered: sizes [steps, world]; times [world, steps] (s)."""
+    first_step: int
+    sizes: np.ndarray
+    compute_s: np.ndarray
+    wait_s: np.ndarray
+    delay_s: np.ndarray
+
+    def plain(self) -> dict:
+        return {"first_step": self.first_step, "sizes": self.sizes.tolist(), "compute_s": self.compute_s.tolist(),
+                "wait_s": self.wait_s.tolist(), "delay_s": self.delay_s.tolist()}
+
+    @staticmethod
+    def of(d: dict) -> Segment:
+        sizes = np.asarray(d["sizes"], np.int64).reshape(len(d["sizes"]), -1)
+        times = [np.asarray(d[k], float).reshape(sizes.shape[1], len(sizes)) for k in ("compute_s", "wait_s",
+                                                                                        "delay_s")]
+        return Segment(int(d["first_step"]), sizes, *times)
+
+    def rows(self, epoch: int) -> list[dict]:
+        return [{"epoch": epoch, "step": self.first_step + s, "rank": i, "batch_size": int(self.sizes[s, i]),
+                 "compute_s": float(self.compute_s[i, s]), "wait_s": float(self.wait_s[i, s]),
+                 "delay_s": float(self.delay_s[i, s])}
+                for s in range(len(self.sizes)) for i in range(self.sizes.shape[1])]
+
+
+def joined(segments: list[Segment]) -> Segment:
+    """Consecutive segments of one world as one."""
+    return Segment(segments[0].first_step, np.concatenate([g.sizes for g in segments]),
+                   *(np.concatenate([getattr(g, k) for g in segments], axis=1) for k in ("compute_s", "wait_s",
+                                                                                         "delay_s")))
 
 
 @dataclass
@@ -95,8 +133,12 @@ def check_checkpoint(cfg: Config, world_size: int, n_classes: int, state: dict, 
     state, epoch=True or 10**18) is one ConfigError here, not a traceback on every rank after the group starts."""
     where = f"cannot resume: {path} does not fit this run"
     epoch, step = state.get("epoch"), state.get("global_step")
-    if not (type(epoch) is int and 1 <= epoch <= cfg.epochs):
-        raise ConfigError(f"{where}: its epoch {shown(epoch)} is not a whole number in 1..{cfg.epochs} (--epochs)")
+    lowest = 0 if state.get("partial") is not None else 1  # a step checkpoint may come before any epoch's end
+    if not (type(epoch) is int and lowest <= epoch <= cfg.epochs - (1 - lowest)):
+        raise ConfigError(f"{where}: its epoch {shown(epoch)} is not a whole number in {lowest}.."
+                          f"{cfg.epochs - (1 - lowest)} (--epochs)")
+    if state.get("partial") is not None and not isinstance(state["partial"], dict):
+        raise ConfigError(f"{where}: its partial epoch {shown(state['partial'])} is not a step checkpoint's record")
     if not (type(step) is int and 0 <= step <= 2**62):
         raise ConfigError(f"{where}: its global_step {shown(step)} is not a whole number >= 0")
     t = state.get("train_time_s")
@@ -150,8 +192,8 @@ def make_balance(cfg: Config, rank: int, world_size: int, replay: dict | None = 
                   max_batch=["probe" if s.probe else None if s.max_batch == float("inf") else int(s.max_batch)
                              for s in cfg.rank_settings(world_size)])
     bal.set_world(rank, world_size)
-    if cfg.hetero:
-        bal.emulate(cfg.hetero)
+    if spec := within(cfg.hetero, world_size):  # all of it but under an elastic restart onto fewer ranks
+        bal.emulate(spec)
     if replay is not None:
         bal.replay(replay)
     return bal
@@ -164,6 +206,11 @@ def own_samples(plan: EpochPlan, step: int, sizes: np.ndarray, rank: int) -> tup
     if sizes[rank]:
         return plan.indices(step, sizes, rank), 1.0
     return plan.indices(step, sizes, 0)[:2], 0.0
+
+
+def _float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The buffers each rank keeps apart during an epoch (batch-norm statistics; dist.average_buffers)."""
+    return [b for b in model.buffers() if b.is_floating_point()]
 
 
 def _numpy_rng_plain(state: tuple) -> list:
@@ -201,14 +248,21 @@ class Trainer:
         self.epoch, self.train_time_s = 0, 0.0
         self.saved_epoch = 0  # the last epoch in the checkpoint: what a summary may claim as completed
         self.history: list[EpochRow] = []
+        # the running epoch's part saved by a step checkpoint (--checkpoint-every): where it goes on and what ran
+        self.partial: dict | None = None
+        self.saved_step = 0  # steps of epoch saved_epoch + 1 in the checkpoint
+        self.resumed_from: dict | None = None  # the checkpoint's world: its identities, epoch and step
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------
-    def state_dict(self) -> dict:
+    def state_dict(self, partial: dict | None = None) -> dict:
+        """epoch: the epochs completed; partial (a step checkpoint): the running epoch's steps so far, its metric
+        totals, time and every rank's augmentation RNG; identities: every rank's worker (Balance.identities)."""
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "scheduler": self.sched.state_dict(), "balancer": self.balance.balancer.state_dict(),
                 "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed}, "epoch": self.epoch,
                 "train_time_s": self.train_time_s, "global_step": self.balance.global_step,
-                "history": [asdict(r) for r in self.history],
+                "history": [asdict(r) for r in self.history], "identities": self.balance.identities,
+                "partial": partial,
                 "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_plain(np.random.get_state())}}
 
     def load_state_dict(self, s: dict) -> None:
@@ -217,9 +271,22 @@ class Trainer:
         self.sched.load_state_dict(s["scheduler"])
         if self.sched.T_max != self.cfg.epochs:  # --epochs changed on resume
             relay_cosine(self.opt, self.sched, s["epoch"], self.cfg.epochs)
-        self.balance.load_state_dict({"balancer": s["balancer"], "epoch": s["epoch"], "global_step": s["global_step"]})
+        part = s.get("partial")
+        if part is not None:
+            if not (type(part.get("step")) is int and part["step"] >= 1 and part.get("epoch") == s["epoch"] + 1):
+                raise ValueError(f"a step checkpoint of epoch {shown(part.get('epoch'))} step "
+                                 f"{shown(part.get('step'))} after {s['epoch']} completed epochs")
+            [Segment.of(g) for g in part["segments"]]  # noqa: B018 - a malformed record fails here, not at the end
+        self.balance.load_state_dict({"balancer": s["balancer"], "global_step": s["global_step"],
+                                      "identities": s.get("identities"),
+                                      **({"epoch": part["epoch"], "step": part["step"]} if part else
+                                         {"epoch": s["epoch"], "step": 0})})
         self.epoch, self.train_time_s = s["epoch"], s["train_time_s"]
-        self.saved_epoch = self.epoch
+        self.saved_epoch, self.partial = self.epoch, part
+        self.saved_step = part["step"] if part else 0
+        ids = s.get("identities")
+        self.resumed_from = {"identities": ids, "world": len(ids) if ids else len(s["balancer"]["shares"]),
+                             "epoch": self.epoch, "step": self.saved_step}
         self.history = [EpochRow(**r) for r in s["history"]]
         torch.set_rng_state(s["rng"]["torch"])
         name, keys, pos, has_gauss, cached = s["rng"]["numpy"]
@@ -229,13 +296,24 @@ class Trainer:
     def train_epoch(self, epoch: int, bar=None) -> EpochResult:
         cfg, w, bal = self.cfg, self.world, self.balance
         plan = self.sampler.plan(epoch, w.device)
+        part = self.partial if self.partial is not None and self.partial["epoch"] == epoch else None
+        start = part["step"] if part else 0
         self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank))
+        if part and part.get("identities") == bal.identities and part.get("loader"):  # the same workers: exact
+            self.train_loader.gen.set_state(part["loader"][w.rank])
+            with torch.no_grad():  # each rank's own batch-norm statistics (averaged only at the epoch's end)
+                for b, saved in zip(_float_buffers(self.model), part["buffers"][w.rank]):
+                    b.copy_(saved)
+        elif part:  # another world: fresh augmentation draws for the rest of the epoch, from (epoch, step, rank)
+            self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank + 1000 * start))
         bal.set_epoch(epoch)  # the emulator's draws follow the epoch
         # Metric sums and the first non-finite step stay on the device: no host sync inside the step.
         sums = torch.zeros(2, dtype=torch.float64, device=w.device)  # loss sum, correct
         first_bad = torch.tensor(-1, device=w.device)
         t0 = time.perf_counter()
-        for step in range(plan.steps):
+        if bar is not None and start:
+            bar.update(start)
+        for step in range(start, plan.steps):
             sizes = bal.begin_step()  # every rank's batch size; this rank's gradient weight; the clock starts
             idx, counts = own_samples(plan, step, sizes, w.rank)  # counts 0: this rank sits out the step
             m = cfg.micro_batch or len(idx)  # --micro-batch: k_i = b / m micro-batches, all but the last no_sync
@@ -256,20 +334,65 @@ class Trainer:
                                             torch.full_like(first_bad, step), first_bad)
             if bar is not None:
                 bar.update(1)
-        bad = gather_rows(first_bad.reshape(1), w.coll_device).flatten()
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < plan.steps:
+                part = self._step_checkpoint(epoch, step + 1, start, part, sums, first_bad, t0)
+                start, t0 = step + 1, time.perf_counter()  # the next segment of the epoch
+        self._check_finite(epoch, first_bad)
+        segments, totals, train_s = self._gathered(start, part, sums, t0)
+        self.partial = None
+        first = max((i for i, g in enumerate(segments) if g.sizes.shape[1] != w.size), default=-1) + 1
+        earlier = [row for g in segments[:first] for row in g.rows(epoch)]  # the epoch's steps in another world
+        g = joined(segments[first:]) if segments[first:] else Segment(start, np.zeros((0, w.size), np.int64),
+                                                          *(np.zeros((w.size, 0)),) * 3)
+        return EpochResult(g.sizes, g.compute_s, g.wait_s, g.delay_s, train_s, float(totals[0] / totals[2]),
+                           float(totals[1] / totals[2]), g.first_step, earlier)
+
+    def _check_finite(self, epoch: int, first_bad: torch.Tensor) -> None:
+        bad = gather_rows(first_bad.reshape(1), self.world.coll_device).flatten()
         if (bad >= 0).any():
             step = int(bad[bad >= 0].min())
             kept = f"epochs 1..{epoch - 1} and their checkpoint are kept" if epoch > 1 else "no epoch had completed"
             raise TrainingError(f"non-finite loss at epoch {epoch} step {step}: stopping (lower --lr?); {kept}")
-        recs = bal.epoch_records()
-        own = torch.tensor([[r.compute_s, r.wait_s, r.delay_s] for r in recs], dtype=torch.float64).T
+
+    def _gathered(self, start: int, part: dict | None, sums: torch.Tensor, t0: float
+                  ) -> tuple[list[Segment], np.ndarray, float]:
+        """Collective: the epoch's steps so far as segments (the saved ones, then this world's since `start`), the
+        metric totals [loss sum, correct, samples] over every rank, and the epoch's training seconds so far."""
+        w, recs = self.world, [r for r in self.balance.epoch_records() if r.step >= start]
+        own = torch.tensor([[r.compute_s, r.wait_s, r.delay_s] for r in recs], dtype=torch.float64).reshape(-1, 3).T
         per_rank = gather_rows(own, w.coll_device).numpy()  # [world, 3, steps]
-        sizes = np.stack([r.sizes for r in recs])
-        train_s = time.perf_counter() - t0
+        sizes = np.stack([r.sizes for r in recs]) if recs else np.zeros((0, w.size), np.int64)
         count = torch.tensor([float(sizes[:, w.rank].sum())], dtype=torch.float64, device=w.device)
-        totals = sum_all(torch.cat([sums, count]), w.coll_device)
-        return EpochResult(sizes, per_rank[:, 0], per_rank[:, 1], per_rank[:, 2], train_s,
-                           float(totals[0] / totals[2]), float(totals[1] / totals[2]))
+        totals = sum_all(torch.cat([sums, count]), w.coll_device).numpy()
+        segments = [Segment.of(g) for g in part["segments"]] if part else []
+        if part:
+            totals = totals + np.asarray(part["totals"], float)
+        if len(sizes):
+            segments.append(Segment(start, sizes, per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]))
+        return segments, totals, (part["train_s"] if part else 0.0) + time.perf_counter() - t0
+
+    def _step_checkpoint(self, epoch: int, step: int, start: int, part: dict | None, sums: torch.Tensor,
+                         first_bad: torch.Tensor, t0: float) -> dict:
+        """Collective, between steps: the checkpoint after `step` steps of `epoch` (rank 0 writes it). Only the
+        checkpoint holds the partial epoch; its rows go to the tables when the epoch ends."""
+        w, bal = self.world, self.balance
+        self._check_finite(epoch, first_bad)
+        bal.observe_now()  # the steps since the last decision go into the balancer's state
+        segments, totals, train_s = self._gathered(start, None, sums, t0)
+        loaders, buffers = [None] * w.size, [None] * w.size
+        dist.all_gather_object(loaders, self.train_loader.gen.get_state().cpu())
+        dist.all_gather_object(buffers, [b.detach().cpu() for b in _float_buffers(self.model)])
+        new = {"epoch": epoch, "step": step, "identities": bal.identities, "loader": loaders, "buffers": buffers,
+               "segments": (part["segments"] if part else []) + [g.plain() for g in segments],
+               "totals": (np.asarray(part["totals"], float) + totals if part else totals).tolist(),
+               "train_s": train_s + (part["train_s"] if part else 0.0)}
+        if w.is_main:
+            self.folder.save_checkpoint(self.state_dict(new))
+        self.saved_step = step
+        if w.is_main:
+            self.folder.write_json("summary.json", self.summary("running"))
+        sums.zero_()  # the totals so far are in `new`; the next segment's start from 0
+        return new
 
     # -- the run ----------------------------------------------------------------------------------------------
     def fit(self) -> dict:
@@ -295,18 +418,21 @@ class Trainer:
             row = self._record(epoch, r, ev, eval_s, lr)
             if w.is_main:
                 self.folder.save_checkpoint(self.state_dict())
-            self.saved_epoch = epoch  # rank 0 saved it (else it raised, and a failed summary claims the one before)
+            self.saved_epoch, self.saved_step = epoch, 0  # rank 0 saved it (else it raised: a summary claims less)
             if w.is_main:
                 self.folder.write_json("summary.json", self.summary("running"))
                 print(self._line(row), flush=True)
         return self.summary("completed")
 
     def _record(self, epoch: int, r: EpochResult, ev: torch.Tensor, eval_s: float, lr: float) -> EpochRow:
+        # shares, balance and ranks.csv describe this world's steps (all of the epoch's unless it began in another)
         sizes, B, n = r.sizes, self.cfg.global_batch, self.world.size
         compute_total = r.compute_s.sum(1)
         row = EpochRow(epoch, self.train_time_s, r.train_s, eval_s, r.train_loss, r.train_top1,
                        float(ev[0] / ev[3]), float(ev[1] / ev[3]), float(ev[2] / ev[3]), lr,
-                       float(compute_total.mean() / max(compute_total.max(), 1e-12)), len(sizes), int(sizes.sum()), B,
+                       float(compute_total.mean() / max(compute_total.max(), 1e-12)),
+                       len(sizes) + len({x["step"] for x in r.earlier}),
+                       int(sizes.sum()) + sum(x["batch_size"] for x in r.earlier), B,
                        [float(sizes[:, i].mean() / B) for i in range(n)])
         self.history.append(row)
         if self.folder is None:
@@ -314,7 +440,7 @@ class Trainer:
         ranks = [{"epoch": epoch, "rank": i, "share": row.shares[i], "batch_size": int(sizes[-1, i]),
                   "steps": len(sizes), "samples": int(sizes[:, i].sum()), "compute_s": float(r.compute_s[i].sum()),
                   "wait_s": float(r.wait_s[i].sum()), "delay_s": float(r.delay_s[i].sum())} for i in range(n)]
-        steps = [{"epoch": epoch, "step": s, "rank": i, "batch_size": int(sizes[s, i]),
+        steps = r.earlier + [{"epoch": epoch, "step": r.first_step + s, "rank": i, "batch_size": int(sizes[s, i]),
                   "compute_s": float(r.compute_s[i, s]), "wait_s": float(r.wait_s[i, s]),
                   "delay_s": float(r.delay_s[i, s])} for s in range(len(sizes)) for i in range(n)]
         line = asdict(row)
@@ -337,6 +463,7 @@ class Trainer:
         h = [r for r in self.history if r.epoch <= self.saved_epoch]
         return {"status": status, "error": error, "scheme": self.cfg.scheme, "model": self.cfg.model,
                 "hetero": self.cfg.hetero, "world_size": self.world.size, "epochs_completed": self.saved_epoch,
+                "checkpoint_step": self.saved_step,
                 "epochs": self.cfg.epochs, "train_time_s": self.train_time_s,
                 "final_test_top1": h[-1].test_top1 if h else None,
                 "best_test_top1": max(r.test_top1 for r in h) if h else None,

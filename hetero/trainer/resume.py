@@ -14,12 +14,17 @@ from .config import Config, ConfigError
 
 # Flags that may differ from the recorded run on --resume: how long, where and how fast it runs, not what it
 # computes. A grown --epochs re-lays the cosine schedule (relay_cosine, from Trainer.load_state_dict).
-RESUMABLE = ("epochs", "timeout_s", "device", "backend", "threads", "affinity", "eval_batch", "data_dir")
+# The per-rank ones (device, threads, affinity, max_batch) may be given anew for another world size; a recorded list
+# of one value per rank does not carry over to another world (whose ranks are other workers), it is refused.
+RESUMABLE = ("epochs", "timeout_s", "device", "backend", "threads", "affinity", "eval_batch", "data_dir",
+             "max_batch", "checkpoint_every")
+PER_RANK = ("device", "threads", "affinity", "max_batch")
 
 
 def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
     """The Config recorded in the --resume folder, with the resumable flags given on this command line; every
-    problem (unreadable or foreign config.json, another world size, a changed flag) is a ConfigError."""
+    problem (unreadable or foreign config.json, a per-rank list or emulated rank that does not fit another world
+    size, a changed flag) is a ConfigError."""
     folder = Path(cfg.resume)
     where = f"cannot resume {folder}"
     path = folder / "config.json"
@@ -37,9 +42,8 @@ def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
         raise ConfigError(f"{where}: its config.json has unknown field(s) {', '.join(map(repr, unknown))} "
                           f"(written by another version of hetero?)")
     ran = meta.get("world_size")
-    if ran != world_size:
-        raise ConfigError(f"{where}: it ran on {ran} rank(s) and this job has {world_size}; resume with the same "
-                          f"world size (the balancer's shares and per-rank settings do not carry over)")
+    if not (type(ran) is int and ran >= 1):
+        raise ConfigError(f"{where}: its config.json has no world size")
     if cfg.run_dir and Path(cfg.run_dir) != folder:
         raise ConfigError(f"--run-dir {cfg.run_dir} differs from --resume {folder}: a resumed run stays in its folder")
     recorded = {**defaults, **saved}  # a field added since the run was recorded holds its default
@@ -49,6 +53,18 @@ def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
         raise ConfigError(f"{where} with another " + ", ".join(f"--{n.replace('_', '-')} (recorded "
                           f"{recorded[n]!r})" for n in changed) + ": a resumed run keeps its configuration; only "
                           + ", ".join(f"--{n.replace('_', '-')}" for n in RESUMABLE) + " may change")
+    if ran != world_size:  # another world: what was set per rank must be said anew, or be one value for all
+        for n in PER_RANK:
+            listed = str(recorded[n]).split(",") if recorded[n] else []
+            if n not in given and len(listed) > 1:
+                raise ConfigError(f"{where} on {world_size} rank(s): its --{n.replace('_', '-')} {recorded[n]!r} "
+                                  f"was given per rank for {ran}; give --{n.replace('_', '-')} anew (one value, or "
+                                  f"{world_size})")
+        from ..core.emulator import parse_hetero
+
+        if far := sorted(r for r in parse_hetero(str(recorded["hetero"])) if r >= world_size):
+            raise ConfigError(f"{where} on {world_size} rank(s): its --hetero {recorded['hetero']!r} emulates rank "
+                              f"{far[0]}, outside this world (the emulation is kept on resume)")
     try:
         new = Config(**{**recorded, **{n: getattr(cfg, n) for n in RESUMABLE if n in given},
                         "resume": str(folder), "run_dir": str(folder), "overwrite": False})

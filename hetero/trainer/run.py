@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import os
 import signal
 import socket
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import safeio
-from ..core.agree import HeteroError
+from ..core.agree import HeteroError, remap_identities
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, default_run_dir, shown
 from .data import DataError, load_data
@@ -38,15 +39,34 @@ from .resume import resumed_config
 from .runlog import CHECKPOINT, DiskError, RunFolder, claim_run_dir
 
 
-def run_metadata(cfg: Config, world: World, run_dir: Path) -> dict:
+def run_metadata(cfg: Config, world: World, run_dir: Path, identities: list[str] | None = None) -> dict:
     """What the run depends on besides its data: config, ranks' places, provenance (measure.py), torchrun's ids."""
     ranks = [None] * world.size
     dist.all_gather_object(ranks, {"host": socket.gethostname(), "device": str(world.device),
                                    "threads": torch.get_num_threads()})
+    for r, name in zip(ranks, identities or []):
+        r["identity"] = name
     return {"config": cfg.to_dict(), "run_dir": str(run_dir), "world_size": world.size, "backend": world.backend,
             "ranks": ranks, **provenance(), "started": datetime.now().isoformat(timespec="seconds"),
             "torchrun": {k: os.environ[k] for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                                                    "LOCAL_WORLD_SIZE") if k in os.environ}}
+
+
+def membership_rows(trainer: Trainer, world: World) -> list[dict]:
+    """membership.csv: one row per worker at each start of the run (the first, a --resume, a torchrun restart):
+    when, after which epoch and step, the old and new world size, and each worker's identity with its rank in the
+    new world and in the old (-1: not in it; a worker that left has rank -1)."""
+    now, ids = datetime.now().isoformat(timespec="seconds"), trainer.balance.identities
+    was = trainer.resumed_from or {"identities": [], "world": 0, "epoch": 0, "step": 0}
+    old = was["identities"] or []
+    src = remap_identities(old, was["world"], ids, world.size) if was["world"] else [None] * world.size
+    base = {"time": now, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "epoch": was["epoch"],
+            "step": was["step"], "old_world": was["world"], "world": world.size}
+    rows = [{**base, "rank": r, "old_rank": -1 if src[r] is None else src[r], "identity": ids[r]}
+            for r in range(world.size)]
+    kept = {i for i in src if i is not None}
+    return rows + [{**base, "rank": -1, "old_rank": i, "identity": name} for i, name in enumerate(old)
+                   if i not in kept]
 
 
 REPLAY_COLUMNS = ("epoch", "step", "rank", "batch_size")
@@ -132,6 +152,17 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="hetero-launcher-watch", daemon=True).start()
 
 
+def same_torchrun_run(run_dir: Path, run_id: str) -> bool:
+    """Whether the folder's run was started by this torchrun job (its config.json records the run id)."""
+    if not run_id or run_id == "none":
+        return False
+    try:
+        meta = json.loads(safeio.read_bytes(run_dir / "config.json"))
+        return isinstance(meta, dict) and (meta.get("torchrun") or {}).get("TORCHELASTIC_RUN_ID") == run_id
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
     """The run folder and whether to resume: explicit, or after a torchrun restart the same one again."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -143,7 +174,9 @@ def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
         else:
             run_dir = str(default_run_dir(cfg, datetime.now().strftime("%Y%m%d-%H%M%S")))
     has_checkpoint = (Path(run_dir) / "checkpoint.pt").exists()
-    resume = bool(cfg.resume) or (restarted and has_checkpoint)
+    # torchrun restarts its workers when one fails (RESTART_COUNT grows) and when a node joins (it does not; a
+    # joining node's workers start at 0): both continue their own run, known by torchrun's run id
+    resume = bool(cfg.resume) or (has_checkpoint and (restarted or same_torchrun_run(Path(run_dir), run_id)))
     # a restart before the first checkpoint starts the run again in its own folder
     overwrite = cfg.overwrite or (restarted and not has_checkpoint)
     return dataclasses.replace(cfg, run_dir=run_dir, overwrite=overwrite and not resume), resume
@@ -166,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg, ns = parse_args(argv)
         if cfg.resume:  # continue with the recorded configuration
             cfg = resumed_config(cfg, ns.given, world_size)
-        cfg.check_world(world_size)
+        given_resume = bool(cfg.resume)
+        cfg, resume = resolve_run_dir(cfg)
+        cfg.check_world(world_size, elastic=resume and not given_resume)
         first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
         cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
-        cfg, resume = resolve_run_dir(cfg)
         saved_state = None
         if rank == 0:  # the folder's lock before anything is written into it; held until this process ends
             lock = claim_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
@@ -227,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.broadcast_object_list(state, src=0)
             trainer.load_state_dict(state[0])
             del saved_state, state
-        meta = run_metadata(cfg, world, run_dir)
+        meta = run_metadata(cfg, world, run_dir, trainer.balance.identities)
         limits = trainer.max_batches
         meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
         if world.is_main:
@@ -236,8 +270,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{limits_text(limits, world.size)} ('-': no limit; CPU ranks are not probed)", flush=True)
             trainer.folder.start(meta, trainer.epoch if resume else None, cfg.overwrite)
             started = True  # from here on a failure is this job's to record in the folder
+            trainer.folder.append("membership", membership_rows(trainer, world))
+            was = trainer.resumed_from
+            where = "" if not resume else f", resuming after epoch {trainer.epoch}" + (
+                f" at step {trainer.saved_step} of epoch {trainer.epoch + 1}" if trainer.saved_step else "") + (
+                f" (the checkpoint's world had {was['world']} rank(s))" if was and was["world"] != world.size else "")
             print(f"hetero: {cfg.model} {cfg.scheme} on {world.size} rank(s) ({world.backend}), run folder "
-                  f"{run_dir}" + (f", resuming after epoch {trainer.epoch}" if resume else ""), flush=True)
+                  f"{run_dir}{where}", flush=True)
         summary = trainer.fit()
         if world.is_main:
             trainer.folder.write_json("summary.json", summary)

@@ -1,4 +1,4 @@
-"""The run folder: config.json, epochs.csv, ranks.csv, steps.csv, summary.json and checkpoint.pt.
+"""The run folder: config.json, epochs.csv, ranks.csv, steps.csv, membership.csv, summary.json and checkpoint.pt.
 
 Tidy files (one observation per row, one schema per file) so pandas.read_csv feeds seaborn directly. Rows are
 flushed every epoch; the checkpoint and summary are replaced atomically (write a temporary file, fsync, rename)
@@ -143,7 +143,7 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool) -> RunLock:
             raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
                               f"--overwrite to replace it, or choose another --run-dir")
         # the tables are appended in place (O_NOFOLLOW would refuse a link there only after the first epoch)
-        if links := [n for n in (f"{t}.csv" for t in TABLES) if (path / n).is_symlink()]:
+        if links := [n for n in (f"{t}.csv" for t in (*TABLES, "membership")) if (path / n).is_symlink()]:
             raise ConfigError(f"run folder {path}: {links[0]} is a symbolic link: hetero does not write through links "
                               f"it did not create (remove it)")
         for tmp in [*path.glob(".*.tmp"), *path.glob(".write-test-*")]:
@@ -184,7 +184,7 @@ class RunFolder:
         """Create the folder; on resume keep rows up to the checkpoint's epoch and drop any later ones."""
         self.path.mkdir(parents=True, exist_ok=True)
         if overwrite and resume_epoch is None:
-            for name in [f"{t}.csv" for t in TABLES] + ["summary.json", CHECKPOINT, "config.json"]:
+            for name in [f"{t}.csv" for t in TABLES] + ["membership.csv", "summary.json", CHECKPOINT, "config.json"]:
                 (self.path / name).unlink(missing_ok=True)
         if resume_epoch is not None:
             for t in TABLES:
@@ -267,7 +267,8 @@ class RunFolder:
         missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
         if missing:
             raise ConfigError(f"cannot resume: {path} is not a hetero checkpoint (no {', '.join(missing)})")
-        if not (isinstance(state["epoch"], int) and state["epoch"] >= 1 and isinstance(state["model"], dict)
+        lowest = 0 if state.get("partial") is not None else 1  # a step checkpoint (--checkpoint-every) in epoch 1
+        if not (isinstance(state["epoch"], int) and state["epoch"] >= lowest and isinstance(state["model"], dict)
                 and all(isinstance(v, torch.Tensor) for v in state["model"].values())):
             raise ConfigError(f"cannot resume: {path} is not a hetero checkpoint (bad epoch or model weights)")
         return state

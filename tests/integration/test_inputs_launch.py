@@ -75,10 +75,32 @@ def test_resume_refuses_a_bad_config_json(name, edit, text, done_run, tmp_path, 
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"  # nothing was written
 
 
+def _ran_on(world: int, **fields):
+    """config.json as if the run had `world` ranks, with these recorded fields."""
+    def edit(text: str) -> str:
+        meta = json.loads(text)
+        meta["world_size"] = world
+        meta["config"].update(fields)
+        return json.dumps(meta)
+    return edit
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_resume_refuses_another_world_size(world, done_run, monkeypatch, capsys):
-    rc, err = check(["--resume", str(done_run)], monkeypatch, capsys, world=world)
-    assert_one_line(rc, err, f"it ran on 1 rank(s) and this job has {world}")
+def test_resume_onto_another_world_size_is_accepted(world, done_run, monkeypatch, capsys):
+    # one value per setting applies to every rank of the new world (tests/integration/test_elastic_launch.py runs it)
+    assert check(["--resume", str(done_run)], monkeypatch, capsys, world=world) == (0, [])
+
+
+def test_resume_onto_another_world_refuses_what_was_set_per_rank(done_run, tmp_path, monkeypatch, capsys):
+    for i, (fields, world, text) in enumerate([
+            ({"threads": "1,1"}, 3, "its --threads '1,1' was given per rank for 2; give --threads anew"),
+            ({"max_batch": "64,0"}, 1, "its --max-batch '64,0' was given per rank for 2; give --max-batch anew"),
+            ({"hetero": "2:delay=0.1"}, 2, "its --hetero '2:delay=0.1' emulates rank 2, outside this world")]):
+        run = _copy(done_run, tmp_path / str(i), _ran_on(3 if "hetero" in fields else 2, **fields))
+        assert_one_line(*check(["--resume", str(run)], monkeypatch, capsys, world=world), text)
+    # given anew for the new world: accepted
+    run = _copy(done_run, tmp_path / "anew", _ran_on(2, threads="1,1"))
+    assert check(["--resume", str(run), "--threads", "1,1,1"], monkeypatch, capsys, world=3) == (0, [])
 
 
 def test_resume_refuses_changed_flags_by_name(done_run, monkeypatch, capsys):
@@ -114,14 +136,14 @@ def test_resume_with_more_epochs_relays_the_cosine_schedule(done_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_under_torchrun_with_another_world_is_one_line(done_run, tmp_path):
+def test_resume_under_torchrun_with_a_per_rank_list_of_another_world_is_one_line(done_run, tmp_path):
     """Both ranks refuse before any process group; one line in all (local rank 0 speaks), the run untouched."""
-    run = _copy(done_run, tmp_path)
+    run = _copy(done_run, tmp_path, _ran_on(3, threads="1,1,1"))
     before = (run / "summary.json").read_text()
     p = run_train(["--resume", str(run)], nproc=2, check=False, timeout=180)
     assert p.returncode != 0
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "hetero: error:" in ln]
-    assert len(lines) == 1 and "it ran on 1 rank(s) and this job has 2" in lines[0], p.stderr[-3000:]
+    assert len(lines) == 1 and "was given per rank for 3; give --threads anew" in lines[0], p.stderr[-3000:]
     assert "Traceback" not in p.stderr.split("hetero: error:")[0]
     assert (run / "summary.json").read_text() == before
 

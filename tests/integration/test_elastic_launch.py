@@ -1,0 +1,170 @@
+"""Elastic runs: a step checkpoint (--checkpoint-every) resumes mid-epoch exactly, and --resume continues on another
+world size (2 -> 3 -> 2) with the slow worker's estimate carried over by identity, every epoch's permutation
+covered once. Killed at a state the run reached (a checkpoint at step >= K, read from summary.json), not a time.
+The in-process half: tests/unit/test_elastic.py."""
+import json
+import os
+import signal
+import subprocess
+import time
+from datetime import datetime
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from hetero.core.sampler import EpochPlan
+from hetero.lab.launch import torchrun_cmd
+from hetero.trainer.runlog import RunFolder
+
+from helpers import ROOT, TINY, _env, read_run, run_train
+
+pytestmark = pytest.mark.slow  # several launches each
+
+B, STEPS = 128, 16  # TINY: 2048 samples, global batch 128
+
+
+def _launch(args, nproc):
+    return subprocess.Popen(torchrun_cmd(nproc, args), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _kill_after_checkpoint(run, proc, epochs, step, limit=600) -> dict:
+    """Once summary.json reports `epochs` completed and a step checkpoint at >= `step` of the next, SIGKILL the
+    job's process group (its workers follow within a second: they die with their launcher); the checkpoint left."""
+    t0 = time.time()
+    while time.time() - t0 < limit:
+        try:
+            s = json.loads((run / "summary.json").read_text())
+            if s["epochs_completed"] == epochs and s["checkpoint_step"] >= step:
+                break
+            assert s["epochs_completed"] <= epochs, "the run passed the kill point (too fast a host?)"
+        except (OSError, ValueError, KeyError):
+            pass
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"{run} never reached a checkpoint at step {step} after epoch {epochs}")
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    time.sleep(2)  # the workers' death signal (their launcher is gone) has landed
+    return RunFolder(run).load_checkpoint()
+
+
+def _check_coverage(steps: pd.DataFrame, epochs: int) -> None:
+    """Every committed step sums to the global batch, is recorded once by one world's ranks 0..n-1, and each
+    epoch's steps cut its permutation's windows exactly once."""
+    assert not steps.duplicated(["epoch", "step", "rank"]).any()
+    for epoch, ep in steps.groupby("epoch"):
+        assert sorted(ep.step.unique()) == list(range(STEPS)), epoch
+        seen = []
+        plan = EpochPlan(2048, B, 0, int(epoch))
+        for step, st in ep.groupby("step"):
+            assert st.batch_size.sum() == B and sorted(st["rank"]) == list(range(len(st))), (epoch, step)
+            sizes = st.sort_values("rank").batch_size.tolist()
+            seen += [plan.indices(int(step), sizes, r) for r in range(len(sizes))]
+        seen = torch.cat(seen)
+        assert len(seen) == len(seen.unique()) == STEPS * B
+        assert torch.equal(seen.sort().values, plan.perm[:STEPS * B].sort().values)
+    assert sorted(steps.epoch.unique()) == list(range(1, epochs + 1))
+
+
+def test_step_checkpoint_resumes_mid_epoch_bit_for_bit(tmp_path):
+    base = [*TINY, "--scheme", "sync", "--epochs", "2"]  # static sizes: the run is deterministic
+    run_train([*base, "--run-dir", str(tmp_path / "ref")], nproc=2)
+    run = tmp_path / "run"
+    # 16 steps x 0.2 s per epoch: the kill lands after a checkpoint at step 6 of epoch 2, before its end
+    proc = _launch([*base, "--checkpoint-every", "3", "--hetero", "1:delay=0.2", "--run-dir", str(run)], 2)
+    state = _kill_after_checkpoint(run, proc, 1, 6)
+    k = state["partial"]["step"]
+    assert state["epoch"] == 1 and 6 <= k < STEPS and k % 3 == 0
+    assert len(pd.read_csv(run / "epochs.csv")) == 1  # the partial epoch lives in the checkpoint only
+    out = run_train(["--resume", str(run)], nproc=2).stdout
+    assert f"resuming after epoch 1 at step {k} of epoch 2" in out
+    ref, got = read_run(tmp_path / "ref"), read_run(run)
+    assert got["epochs"].epoch.tolist() == [1, 2] and got["summary"]["status"] == "completed"
+    cols = ["train_loss", "train_top1", "test_loss", "test_top1"]
+    assert got["epochs"][cols].equals(ref["epochs"][cols])  # the same steps on the same samples, RNG included
+    key = ["epoch", "step", "rank", "batch_size"]
+    assert got["steps"][key].equals(ref["steps"][key])
+    _check_coverage(got["steps"], 2)
+    a, b = RunFolder(run).load_checkpoint()["model"], RunFolder(tmp_path / "ref").load_checkpoint()["model"]
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_resume_onto_another_world_size_carries_the_balance(tmp_path):
+    run = tmp_path / "run"
+    # rank 1 (the same worker in every world here: an unpinned CPU rank's identity is its local rank) is slowed
+    # 0.15 s per step, far above this host's noise; decisions every 4 steps, checkpoints every 4
+    args = [*TINY, "--epochs", "3", "--scheme", "edp", "--hetero", "1:delay=0.15", "--rebalance-every", "4",
+            "--checkpoint-every", "4", "--timeout-s", "60", "--run-dir", str(run)]
+    _kill_after_checkpoint(run, _launch(args, 2), 1, 4)                      # 2 ranks, killed in epoch 2
+    _kill_after_checkpoint(run, _launch(["--resume", str(run)], 3), 2, 4)    # 3 ranks, killed in epoch 3
+    run_train(["--resume", str(run)], nproc=2)                               # 2 ranks to the end
+    r = read_run(run)
+    assert r["epochs"].epoch.tolist() == [1, 2, 3] and r["summary"]["status"] == "completed"
+    _check_coverage(r["steps"], 3)
+    m = pd.read_csv(run / "membership.csv")
+    starts = m.drop_duplicates("time")  # one row per worker per start; starts are seconds apart
+    assert list(zip(starts.old_world, starts.world)) == [(0, 2), (2, 3), (3, 2)]
+    joined = m[(m.old_world == 2) & (m.world == 3)].set_index("rank")
+    assert joined.old_rank.tolist() == [0, 1, -1]  # ranks 0 and 1 are workers seen before, rank 2 is new
+    left = m[(m.old_world == 3) & (m.world == 2)]
+    assert sorted(left["rank"]) == [-1, 0, 1] and left[left["rank"] == -1].old_rank.tolist() == [2]
+    # the slow worker's share stays low across both changes: at the very first step of each new world it is
+    # already far below an even split (a neutral start would give it B/world), and it never climbs back
+    s = r["steps"]
+    for change, world in ((joined, 3), (left, 2)):
+        e, k = change[["epoch", "step"]].iloc[0]  # the checkpoint it started from: after epoch e, at step k
+        assert 0 < k < STEPS
+        assert s[(s.epoch == e + 1) & (s.step == k) & (s["rank"] == 1)].batch_size.item() < 0.5 * B / world
+    later = s[(s.epoch >= 2) & (s["rank"] == 1)]
+    world = s[s.epoch >= 2].groupby(["epoch", "step"])["rank"].transform("size")[later.index]
+    assert np.all(later.batch_size < 0.5 * B / world)
+
+
+def test_losing_a_torchrun_node_mid_epoch_goes_on_with_the_other(tmp_path):
+    """Two torchrun agents on 127.0.0.1 (c10d rendezvous, --nnodes=1:2, one worker each, named per agent by
+    HETERO_WORKER_ID): the second agent's process group is SIGKILLed after a step checkpoint; the first agent's
+    worker sees its peer's connection reset, exits, and torchrun restarts it alone (world 1), resuming at that
+    step. Growing back under the same agent is not tested: torch 2.14's agent deadlocks in the new round's
+    rendezvous on one machine (docs/elastic.md); tests/.../test_resume_onto_another_world_size shows growth."""
+    from hetero.lab.launch import free_port
+
+    run, port = tmp_path / "run", free_port()
+    args = [*TINY, "--epochs", "4", "--scheme", "edp", "--hetero", "1:delay=0.1", "--rebalance-every", "4",
+            "--checkpoint-every", "4", "--timeout-s", "20", "--threads", "1", "--run-dir", str(run)]
+
+    def agent(name: str) -> subprocess.Popen:
+        cmd = [*torchrun_cmd(1, args)[:3], "--nnodes=1:2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=hetero-elastic", "--max-restarts=3",
+               "--rdzv-conf=join_timeout=60,last_call_timeout=5", "--monitor-interval=0.5", f"--log-dir={os.devnull}",
+               "-m", "hetero.trainer", *args]
+        return subprocess.Popen(cmd, cwd=ROOT, env={**_env(), "HETERO_WORKER_ID": f"agent-{name}"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    a = agent("a")  # first: it hosts the rendezvous store, so it is the one that stays
+    time.sleep(0.5)
+    b = agent("b")
+    try:
+        _kill_after_checkpoint(run, b, 1, 4)
+        t_kill = time.time()
+        out, err = a.communicate(timeout=400)
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    assert a.returncode == 0, err[-3000:]
+    r = read_run(run)
+    assert r["epochs"].epoch.tolist() == [1, 2, 3, 4] and r["summary"]["status"] == "completed"
+    _check_coverage(r["steps"], 4)
+    m = pd.read_csv(run / "membership.csv")
+    starts = m.drop_duplicates("time")
+    assert list(zip(starts.old_world, starts.world)) == [(0, 2), (2, 1)]
+    after = m[m.world == 1]
+    assert after.set_index("identity")["rank"].to_dict() == {"agent-a": 0, "agent-b": -1}  # b left, a stays
+    e, k = after[["epoch", "step"]].iloc[0]
+    assert (e, k) >= (1, 4) and f"resuming after epoch {e} at step {k} of epoch {e + 1}" in out
+    gap_s = datetime.fromisoformat(after.time.iloc[0]).timestamp() - t_kill  # local time, as recorded
+    print(f"\nelastic loss: the new world (1 rank) started {gap_s:.0f} s after the kill (1-s resolution), "
+          f"resuming at step {k} of epoch {e + 1}; at most CHECKPOINT_EVERY - 1 = 3 steps are repeated")

@@ -1,0 +1,115 @@
+"""Elastic membership in one process: the balancer's estimates carried by worker identity to another world size,
+and a Balance's mid-epoch state. The launches: tests/integration/test_elastic_launch.py."""
+import numpy as np
+import pytest
+
+from hetero.core.agree import remap_identities as remap
+from hetero.core.balance import Balance
+from hetero.core.balancer import Balancer
+
+B = 120
+
+
+def _measured(world: int, slow: int) -> Balancer:
+    """A balancer that has decided from steps where rank `slow` takes 4x as long per sample."""
+    b = Balancer("proportional", world, B, significance=0)
+    per = np.where(np.arange(world) == slow, 4e-3, 1e-3)
+    b.observe(np.tile(b.sizes, (8, 1)), np.tile(b.sizes * per, (8, 1)))
+    b.decide()
+    return b
+
+
+def test_remap_by_identity_else_by_rank():
+    assert remap(["a", "b"], 2, ["b", "c", "a"], 3) == [1, None, 0]
+    assert remap(["a", "b", "c"], 3, ["c", "a"], 2) == [2, 0]
+    assert remap(None, 2, ["x", "y", "z"], 3) == [0, 1, None]   # no identities saved: rank r keeps rank r
+    assert remap(["a", "b"], 2, None, 1) == [0]
+
+
+def test_a_known_worker_keeps_its_estimate_and_a_new_one_starts_from_the_median():
+    old = _measured(2, slow=1)
+    assert old.shares[1] < 0.25  # 1/5 without noise
+    new = Balancer("proportional", 3, B)
+    new.load_remapped(old.state_dict(), [0, 1, None])
+    fast, slow = old.shares
+    np.testing.assert_allclose(new.shares, np.array([fast, slow, (fast + slow) / 2]) / (1.5 * (fast + slow)))
+    assert new.sizes.sum() == B and new.sizes[1] < new.sizes[2] < new.sizes[0]
+    assert new.decisions == old.decisions and not new._pending and len(new._windows) == 0  # windows restart
+    small = Balancer("proportional", 2, B)  # and back to two: the slow worker, now rank 0, stays slow
+    small.load_remapped(new.state_dict(), [1, 0])
+    assert small.sizes.sum() == B and small.shares[0] == pytest.approx(slow / (fast + slow))
+    with pytest.raises(ValueError, match="names a rank twice"):
+        small.load_remapped(new.state_dict(), [1, 1])
+
+
+def test_balance_loads_a_state_from_another_world_under_the_identity_rules():
+    saved = Balance(global_batch=B, scheme="edp")
+    saved.set_world(0, 2)
+    saved.balancer.load_state_dict(_measured(2, slow=1).state_dict())
+    state = {**saved.state_dict(), "identities": ["host/gpu A", "host/gpu B"]}
+    bal = Balance(global_batch=B, scheme="edp")
+    bal.set_world(0, 3)
+    bal.load_state_dict(state, identities=["host/gpu B", "host/gpu C", "host/gpu A"])  # B (the slow one) is rank 0
+    sizes = bal.sizes_at(0, 0)
+    assert sizes.sum() == B and sizes[0] < sizes[1] < sizes[2]
+
+
+def test_a_mid_epoch_state_goes_on_at_its_step():
+    bal = Balance(global_batch=B, scheme="edp")  # decides at the epoch end only
+    bal.set_world(0, 1)
+    bal.batch_sampler(10 * B)
+    bal.set_epoch(1)
+    for _ in range(3):
+        bal.begin_step()
+        bal.end_step()
+    assert bal.state_dict()["step"] == 0  # without observe_now: no position (the loop restores its own)
+    bal.observe_now()
+    state = bal.state_dict()
+    assert state["step"] == 3 and state["epoch"] == 1 and state["global_step"] == 3
+    assert len(bal.balancer._pending) == 1  # the three steps, in the saved balancer state
+    again = Balance(global_batch=B, scheme="edp")  # decides at the epoch end only
+    again.set_world(0, 1)
+    again.batch_sampler(10 * B)
+    again.load_state_dict(state)
+    again.set_epoch(1)  # the loop's own call at the epoch's start: the epoch goes on where it was
+    again.begin_step()
+    assert again.current_step().index == 3
+    again.end_step()
+    again.observe_now()
+    assert again.state_dict()["global_step"] == 4 and again.state_dict()["step"] == 4
+
+
+def test_the_sampler_of_a_resumed_epoch_starts_at_its_step():
+    bal = Balance(global_batch=B, scheme="sync")
+    bal.set_world(0, 1)
+    sampler = bal.batch_sampler(10 * B)
+    bal.set_epoch(1)
+    every = list(sampler)
+    assert len(every) == 10
+    again = Balance(global_batch=B, scheme="sync")
+    again.set_world(0, 1)
+    rest = again.batch_sampler(10 * B)
+    again.load_state_dict({**bal.state_dict(), "epoch": 1, "step": 4, "global_step": 4})
+    again.set_epoch(1)
+    assert list(rest) == every[4:]  # the steps not yet trained, each once
+
+
+def test_default_identity_is_the_given_name_else_host_and_device(monkeypatch):
+    import socket
+
+    import torch
+
+    from hetero.core.agree import default_identity
+
+    monkeypatch.setenv("HETERO_WORKER_ID", "spot-7")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default_identity(torch.device("cpu")) == "spot-7"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a node's agent named, with two workers
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert default_identity(torch.device("cpu")) == "spot-7/local rank 1"
+    monkeypatch.delenv("HETERO_WORKER_ID")
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert default_identity(torch.device("cpu")) == f"{socket.gethostname()}/cpu cores 0"
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert default_identity(torch.device("cpu")) == f"{socket.gethostname()}/cpu local rank 1"  # unpinned

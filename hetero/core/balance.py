@@ -46,6 +46,7 @@ from .agree import (
     agree,
     default_identity,
     duplicate_identity,
+    gather_json,
     gather_rows,
     guarded,
     launcher_world,
@@ -284,8 +285,7 @@ class Balance:
         own = [self._worker_id or default_identity(self._device), named]
         pairs = [own]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            pairs = [None] * dist.get_world_size()
-            dist.all_gather_object(pairs, own)
+            pairs = guarded(gather_json, own, self._coll)  # plain data: nothing unpickled from a peer
         ids = [name for name, _ in pairs]
         while (pair := duplicate_identity(ids)) is not None:
             if pairs[pair[0]][1] or pairs[pair[1]][1]:

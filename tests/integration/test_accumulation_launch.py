@@ -168,6 +168,7 @@ def test_every_sample_once_per_epoch_while_counts_change_mid_epoch(tmp_path):
 
 
 # -- the built-in trainer (torchrun, 2 CPU ranks) ----------------------------------------------------------------
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
     from hetero.lab import analysis
 

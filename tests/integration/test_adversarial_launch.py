@@ -172,6 +172,7 @@ def test_a_fifo_as_the_checkpoint_is_refused_without_opening_it(done_run, tmp_pa
     _one_line(_cli(["--check", "--resume", str(run)]), "checkpoint.pt is a FIFO")
 
 
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_stopped_worker_dies_with_its_launcher_and_frees_the_folder(tmp_path):
     run = tmp_path / "run"

@@ -61,7 +61,7 @@ def _max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("sizes", [[5, 27], [3, 11, 18]])
+@pytest.mark.parametrize("sizes", [[5, 27], pytest.param([3, 11, 18], marks=pytest.mark.slow)])  # 3 ranks: slow tier
 def test_edp_step_equals_single_process_sgd_on_the_global_batch(tmp_path, sizes):
     got = _trained(tmp_path, sizes, "edp")
     exact, equal_mean = _reference(sizes, weighted=True), _reference(sizes, weighted=False)

@@ -178,6 +178,7 @@ def test_a_trainer_setting_hetero_cannot_honour_is_one_line(monkeypatch, tmp_pat
     assert str(e.value) == line
 
 
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_a_download_while_offline_is_one_line_and_exit_2():
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--pretrained", "gpt2"], cwd=ROOT,
                        env={**clean_env(), "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)

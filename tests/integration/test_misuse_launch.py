@@ -151,6 +151,7 @@ def test_every_rank_leaving_early_alike_is_a_valid_run(tmp_path):
     assert [r["steps"] for r in _spawn(_limited_worker, tmp_path)] == [12, 12]
 
 
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_a_rank_leaving_an_epoch_early_is_named_on_every_rank(tmp_path):
     r = _spawn(_early_worker, tmp_path)
     assert r[0]["error"] == r[1]["error"], r
@@ -232,6 +233,7 @@ def _extra_steps_worker(rank: int, out: str) -> None:
     _write(out, rank, result)
 
 
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_two_steps_of_the_schedule_in_one_optimizer_step_are_refused_on_every_rank(tmp_path):
     r = _spawn(_extra_steps_worker, tmp_path)
     assert r[0]["error"].startswith("hetero: rank 0 ran 2 steps of the schedule")

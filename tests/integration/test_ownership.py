@@ -83,6 +83,7 @@ def test_corrupt_checkpoint_fails_check_and_leaves_the_summary(done_run, tmp_pat
     assert (run / "summary.json").read_text() == summary
 
 
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_a_held_folder_is_refused_and_a_free_one_cleaned(done_run, tmp_path):
     run = _copy(done_run, tmp_path)
     lock = acquire_lock(run)  # this test process plays the live job

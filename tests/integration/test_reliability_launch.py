@@ -42,6 +42,7 @@ def test_run_folder_holding_a_run_is_refused(tmp_path):
     assert _cli([*TINY, "--run-dir", str(tmp_path / "r"), "--overwrite", "--check"]).returncode == 0
 
 
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_check_and_a_failed_data_load_leave_no_run_folder(tmp_path):
     new = tmp_path / "a" / "run"
     assert _cli([*TINY, "--run-dir", str(new), "--check"]).returncode == 0
@@ -61,6 +62,7 @@ def test_missing_cifar10_offline_says_what_to_do(tmp_path):
     assert "CIFAR-10 is not in" in p.stderr and "Fix:" in p.stderr and len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_non_finite_loss_stops_naming_epoch_and_step(tmp_path):
     bad = tmp_path / "bad"
     p = run_train([*TINY, "--lr", "1e12", "--run-dir", str(bad)], nproc=2, check=False)

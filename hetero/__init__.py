@@ -6,11 +6,10 @@ Three layers, each importing only the ones before it:
 - hetero.trainer: the built-in CIFAR-10 trainer (`python -m hetero.trainer`), one user of the core.
 - hetero.lab: grids, reports, the simulator and the benchmarks, on top of both.
 """
-
-__version__ = "0.1.0"
+from .core import __version__  # noqa: F401 - re-exported (__all__)
 
 _CORE = {"Balance": "balance", "BalancedBatchSampler": "sampler", "Decision": "records", "HeteroError": "agree",
-         "StepRecord": "records", "balance_hook": "hook"}
+         "StepRecord": "records"}
 __all__ = sorted([*_CORE, "BalanceCallback", "__version__"])
 
 

@@ -2,8 +2,13 @@
 
 Imports nothing from hetero.trainer or hetero.lab (tests/unit/test_layers.py checks it); needs torch and numpy only.
 - partition, balancer: pure maths (numpy): shares, sizes and the rebalancing rules.
-- balance: the Balance, the public front; sampler, hook and fsdp are how it meets a loader, DDP and FSDP2.
+- balance: the Balance, the public front (the user's verbs); beneath it, called top-down only: engine (one step's
+  protocol and every door's checks; the extension surface), plan (sizes per position, the position, the decision
+  window, the balancer; its state_dict), settings; sampler, hook, guard and fsdp are how the parts meet a loader,
+  DDP, an optimizer and FSDP2; probe finds per-rank largest batches.
 - agree, clock, settle: distributed plumbing (what the ranks agree on, the step clock, a clean exit).
 - emulator, memory, records, seeding, safeio: emulated slow ranks, the largest-batch probe, step records, seeds
   and safe file writes.
 """
+
+__version__ = "0.1.0"  # here, not in the package root: the core imports nothing from above it

@@ -215,6 +215,24 @@ def duplicate_identity(identities: list[str]) -> tuple[int, int] | None:
     return None
 
 
+def gather_identities(worker_id: str | None, device: torch.device, coll: torch.device) -> list[str]:
+    """Collective: every rank's identity, in rank order. Named ones must differ; default ones that coincide
+    (unpinned CPU workers of two agents on one host) are told apart by their rank."""
+    named = bool(worker_id or os.environ.get(IDENTITY_ENV, "").strip())
+    own = [worker_id or default_identity(device), named]
+    pairs = [own]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        pairs = guarded(gather_json, own, coll)  # plain data: nothing unpickled from a peer
+    ids = [name for name, _ in pairs]
+    while (pair := duplicate_identity(ids)) is not None:
+        if pairs[pair[0]][1] or pairs[pair[1]][1]:
+            raise HeteroError(f"hetero: ranks {pair[0]} and {pair[1]} are both worker {ids[pair[0]]!r}: give "
+                              f"each worker its own name (HETERO_WORKER_ID, or Balance(worker_id=...))")
+        same = ids[pair[0]]
+        ids = [f"{n} (rank {r})" if n == same else n for r, n in enumerate(ids)]
+    return ids
+
+
 def remap_identities(saved: list[str] | None, saved_world: int, now: list[str] | None, world: int) -> list[int | None]:
     """For every rank of this world, the saved rank whose state it takes (None: a worker not seen before). By
     identity where both worlds' identities are known; else rank r keeps rank r's state (the same world, or a state

@@ -81,6 +81,11 @@ class Balancer:
         """Affine needs two distinct batch sizes per rank: it probes until its first decision."""
         return self.rule == "affine" and self.probe_steps > 0 and self.decisions == 0 and self.world > 1
 
+    def bound(self, max_batch: list[float] | None) -> None:
+        """New per-rank largest batches (after a probe): the sizes recut within them, affine's probe sizes anew."""
+        self.max_batch, self._probe_sizes = max_batch, None
+        self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, max_batch, self.granularity)
+
     def sizes_for_step(self, step: int) -> np.ndarray:
         """Batch sizes for one step (they sum to global_batch); step counts from the start of the epoch."""
         if not self.probing or step >= self.probe_steps:

@@ -31,16 +31,14 @@ gradients kept between steps stay sharded).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-if TYPE_CHECKING:
-    from .balance import Balance
-
 from torch.distributed.fsdp import FSDPModule
+
+from .agree import HeteroError
+from .engine import Engine
 
 try:  # FSDP2's custom comms came in torch 2.9; an older torch is refused in attach with one line
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
@@ -89,10 +87,10 @@ def refusal(model: nn.Module, world: int) -> str | None:
 
 
 class _Timed:
-    """Shared by the comms: the Balance, and this step's count of reduce-scatters (the last marks the clock)."""
+    """Shared by the comms: the step engine, and this step's count of reduce-scatters (the last marks the clock)."""
 
-    def __init__(self, bal: Balance, reduces_per_step: int = 0):
-        self.bal, self.reduces_per_step = bal, reduces_per_step
+    def __init__(self, engine: Engine, reduces_per_step: int = 0):
+        self.engine, self.reduces_per_step = engine, reduces_per_step
         self._step, self._reduces = None, 0
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -100,25 +98,30 @@ class _Timed:
 
     def held(self, t0: float) -> None:
         """A collective inside forward or backward since t0 (perf_counter): waiting for peers, not compute."""
-        if (step := self.bal.current_step(required=False)) is not None:
+        if (step := self.engine.running(required=False)) is not None:
             step.clock.held_s += time.perf_counter() - t0
 
 
 class WeightedReduceScatter(_Timed, ReduceScatter or object):
-    """Sum over ranks of w_i x this rank's flat gradients (w_i from Balance: b_i/B, m/B, or 1/(world k_i) unweighted).
-    The step's last one is where local gradients are complete: it marks `ready` and `returned` on the clock."""
+    """Sum over ranks of w_i x this rank's flat gradients (w_i from the engine: b_i/B, m/B, or 1/(world k_i)
+    unweighted). The step's last one is where local gradients are complete: it marks `ready` and `returned`."""
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        step = self.bal.current_step()
+        step = self.engine.running()
         if step is not self._step:  # a new step: count its reduce-scatters afresh
             self._step, self._reduces = step, 0
         self._reduces += 1
         last = self._reduces == self.reduces_per_step
         if last:
-            self.bal.gradients_ready()  # marks ready; an emulated slow rank sleeps first
+            self.engine.gradients_ready()  # marks ready; an emulated slow rank sleeps first
         input_tensor.mul_(step.weight)  # FSDP's own copy of the gradients, in the reduce dtype
         t0 = time.perf_counter()
-        work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        try:
+            work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        except Exception:
+            if self.engine.collective_failed():  # a peer stopped and said why
+                raise HeteroError(self.engine.peer_failed) from None
+            raise
         if last:
             step.clock.mark("returned")
         else:
@@ -139,19 +142,19 @@ class TimedAllGather(_Timed, AllGather or object):
 class FSDPSchedule:
     """The FSDP2 side of a Balance: the comms on every FSDP module and the micro-batch schedule (module docstring)."""
 
-    def __init__(self, bal: Balance, model: nn.Module):
+    def __init__(self, engine: Engine, model: nn.Module):
         self.modules = fsdp_modules(model)
         # one reduce-scatter per step for each FSDP module that manages a trainable parameter
         reduces = sum(any(p.requires_grad for p in _own_params(m)) for m in self.modules)
         if not reduces:
             raise ValueError("the FSDP2 model has no trainable parameters")
-        reduce_scatter, all_gather = WeightedReduceScatter(bal, reduces), TimedAllGather(bal)
+        reduce_scatter, all_gather = WeightedReduceScatter(engine, reduces), TimedAllGather(engine)
         for m in self.modules:
             m.set_gradient_divide_factor(1.0)        # per module: the weight is applied in the comm instead
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo refuses PREMUL_SUM)
             m.set_custom_reduce_scatter(reduce_scatter)
             m.set_custom_all_gather(all_gather)
-        self.micro = bool(bal.micro_batch)
+        self.micro = bool(engine.settings.micro_batch)
         if self.micro:
             model.set_reshard_after_forward(False)  # recurses; no forward all-gathers, whatever k_i
 
@@ -174,11 +177,11 @@ def _own_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if id(p) not in nested]
 
 
-def attach(bal: Balance, model: nn.Module) -> FSDPSchedule:
+def attach(engine: Engine, model: nn.Module) -> FSDPSchedule:
     """Install hetero on an FSDP2 root; raises ValueError with one line for what it refuses (on every rank)."""
-    if (why := refusal(model, bal.size)) is not None:
+    if (why := refusal(model, engine.world)) is not None:
         raise ValueError(why)
-    schedule = FSDPSchedule(bal, model)
+    schedule = FSDPSchedule(engine, model)
 
     def root_only(module, args):  # lazy init has run (FSDP's own pre-hook comes first): it knows the root
         if not module._get_fsdp_state()._is_root:

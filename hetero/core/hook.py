@@ -1,46 +1,25 @@
-"""The DDP communication hook of hetero.Balance, and an emulated slow rank's delay.
+"""The DDP communication hook that `Balance.attach` registers: the b_i/B weighting, with the step clock.
 
-The hook sums weight_i * g_i over ranks (api.Balance sets the weight per step: b_i/B, m/B with micro-batches, or
-1/world); when the last bucket is handed over this rank's local gradients are complete, which is when the step
-clock marks `ready` and an emulated slow rank spends its delay.
+The hook's state is the step engine (engine.py), never the Balance. It sums weight_i * g_i over ranks (the engine
+sets the weight per step: b_i/B, m/B with micro-batches, or 1/world); at the last bucket this rank's local
+gradients are complete, which is when the engine marks `ready` (and an emulated slow rank spends its delay). An
+all-reduce that fails because a peer stopped with a posted line is not raised from inside DDP's reducer (it would
+come out as "Got the following error when running the callback"): the engine keeps the line and raises it at this
+rank's optimizer step or end of step, so no rank steps on a wrong gradient.
 """
 from __future__ import annotations
-
-import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .clock import StepClock
-from .emulator import Emulator
+from .engine import Engine
 from .settle import settle
 
-if TYPE_CHECKING:
-    from .balance import Balance
 
-
-def spend_delay(emulator: Emulator, epoch: int, global_step: int, clock: StepClock) -> float:
-    """An emulated slow rank's extra time (s), spent when its gradients are ready; returns it.
-
-    On CUDA the host runs ahead of the GPU: a sleep while this rank's kernels are still queued would overlap them
-    and be lost. So the host first waits for the compute stream (clock.wait_device: an event, not a device-wide
-    synchronise, which would also wait for NCCL), once per delayed step; the `ready` mark, recorded after the
-    sleep, then counts the delay as compute on CUDA as on the CPU."""
-    waited = emulator.needs_compute_time
-    own = clock.host_elapsed_s() if waited else 0.0  # slowdown: waits for the device to measure its own time
-    delay = emulator.delay_s(epoch, global_step, own)
-    if delay > 0:
-        if not waited:
-            clock.wait_device()
-        time.sleep(delay)
-    return delay
-
-
-def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def balance_hook(engine: Engine, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Sum over ranks of weight_i * g_i (b_i/B: the global-batch gradient; 1/world: DDP's mean). Linear, so a
     GradScaler's scale passes through and clipping or unscaling after the all-reduce see the exact gradient."""
-    step = state.gradients_ready() if bucket.is_last() else state.current_step()
+    step = engine.gradients_ready() if bucket.is_last() else engine.running()
     buf = bucket.buffer()
     buf.mul_(step.weight)
     step.bucket_sent(last=bucket.is_last())
@@ -48,7 +27,12 @@ def balance_hook(state: Balance, bucket: dist.GradBucket) -> torch.futures.Futur
 
     def done(f):
         step.bucket_back()
-        return f.value()[0]
+        try:
+            return f.value()[0]
+        except Exception:
+            if engine.collective_failed():  # a peer stopped and said why: raised at the optimizer step
+                return buf
+            raise
     settle.track(done)
     return fut.then(done)
 

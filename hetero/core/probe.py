@@ -9,30 +9,28 @@ measures one rank alone on its device, so it cannot speak for ranks that will tr
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .agree import HeteroError, gather_json, guarded
 from .memory import gpu_identity, probe_max_batch, shared_gpus
-
-if TYPE_CHECKING:
-    from .balance import Balance
+from .plan import Plan
 
 
-def probe_all(bal: Balance, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int,
+def probe_all(plan: Plan, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int,
               device: torch.device, autocast=None, memory_format=torch.contiguous_format, gpu: str = "") -> list[float]:
     """Every rank's probed largest batch (inf: not probed, or a CPU rank), in rank order; HeteroError on every
     rank alike when a probe failed or probing ranks share a GPU."""
     if device.type == "cuda" and not gpu:
         gpu = gpu_identity(torch.cuda.get_device_properties(device), device.index or 0)
     own, err = float("inf"), ""
-    if bal.probes[bal.rank]:
-        m = bal.micro_batch
+    s = plan.settings
+    if plan.probes[plan.rank]:
+        m = s.micro_batch
         try:
-            own = probe_max_batch(model, sample_shape, classes, device, lo=min(bal.min_batch, m or bal.min_batch),
-                                  hi=m or bal.global_batch, autocast=autocast, memory_format=memory_format)
+            own = probe_max_batch(model, sample_shape, classes, device, lo=min(s.min_batch, m or s.min_batch),
+                                  hi=m or s.global_batch, autocast=autocast, memory_format=memory_format)
         except (RuntimeError, TimeoutError) as e:
             err = str(e).splitlines()[0] if str(e) else type(e).__name__
     row = {"host": socket.gethostname(), "device": str(device), "gpu": gpu,
@@ -42,7 +40,7 @@ def probe_all(bal: Balance, model: torch.nn.Module, sample_shape: tuple[int, ...
         rows = guarded(gather_json, row, coll)
     else:
         rows = [row]
-    if shared := shared_gpus([(r["host"], r["device"], r["gpu"]) for r in rows], bal.probes):
+    if shared := shared_gpus([(r["host"], r["device"], r["gpu"]) for r in rows], plan.probes):
         g = shared[0]
         raise HeteroError(f"hetero: max_batch \"probe\" needs a GPU of its own per rank: ranks "
                           f"{', '.join(map(str, g))} share {rows[g[0]]['device']} on {rows[g[0]]['host']}; give "

@@ -8,15 +8,12 @@ not-yet-seen part of the permutation is simply cut differently: nothing is repea
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
 
 import torch
 
+from .plan import Plan
 from .seeding import PERMUTATION, epoch_seed
-
-if TYPE_CHECKING:
-    from .balance import Balance
 
 
 class EpochPlan:
@@ -45,29 +42,31 @@ class EpochPlan:
 
 class BalancedBatchSampler(torch.utils.data.Sampler):
     """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan); with a
-    micro_batch m, the slice in k_r micro-batches of m (each rank's slice is a whole number of them)."""
+    micro_batch m, the slice in k_r micro-batches of m (each rank's slice is a whole number of them). Made by
+    Balance.batch_sampler; it reads the plan of sizes (plan.py) and starts epochs through `start_epoch`."""
 
-    def __init__(self, balance: Balance, n_samples: int, seed: int):
-        self.balance, self.n_samples, self.seed = balance, n_samples, seed
+    def __init__(self, plan: Plan, n_samples: int, seed: int, start_epoch: Callable[[int], None]):
+        self._plan, self.n_samples, self.seed, self._start_epoch = plan, n_samples, seed, start_epoch
 
     def __len__(self) -> int:
         """Batches per epoch; with micro-batches an estimate (the counts may change within the epoch)."""
-        bal = self.balance
-        return bal.steps_per_epoch * (int(bal.balancer.sizes[bal.rank]) // bal.micro_batch if bal.micro_batch else 1)
+        p, m = self._plan, self._plan.settings.micro_batch
+        return p.steps_per_epoch * (int(p.balancer.sizes[p.rank]) // m if m else 1)
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
-        self.balance.set_epoch(epoch)
+        self._start_epoch(epoch)
 
     def plan(self, epoch: int, device: torch.device | str = "cpu") -> EpochPlan:
         """The epoch's shared permutation, for a loop that cuts its own batches (on the device: the built-in
         trainer): its `indices(step, bal.sizes_at(epoch, step), rank)` is what iterating would hand out."""
-        return EpochPlan(self.n_samples, self.balance.global_batch, self.seed, epoch, device)
+        return EpochPlan(self.n_samples, self._plan.settings.global_batch, self.seed, epoch, device)
 
     def __iter__(self) -> Iterator[list[int]]:
-        bal, epoch = self.balance, self.balance.epoch
-        first = bal.start_epoch_iteration(epoch)  # refuses a second pass; > 0 in an epoch resumed mid-way
+        p = self._plan
+        epoch = p.at.epoch
+        first = p.start_iteration(epoch)  # refuses a second pass; > 0 in an epoch resumed mid-way
         plan = self.plan(epoch)
-        m = bal.micro_batch
+        m = p.settings.micro_batch
         for step in range(first, plan.steps):
-            idx = plan.indices(step, bal.sizes_at(epoch, step), bal.rank).tolist()
+            idx = plan.indices(step, p.sizes_at(epoch, step), p.rank).tolist()
             yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

@@ -68,16 +68,17 @@ class HeteroTrainer(Trainer):
         if a.gradient_accumulation_steps != 1:
             raise ValueError("hetero: gradient_accumulation_steps must be 1 (every rank would accumulate the same "
                              "count): raise the Balance's global_batch instead")
-        if a.per_device_train_batch_size * bal.size != bal.global_batch:
+        if a.per_device_train_batch_size * bal.size != bal.settings.global_batch:
             raise ValueError(f"hetero: per_device_train_batch_size x world ({a.per_device_train_batch_size} x "
-                             f"{bal.size}) must equal the Balance's global_batch {bal.global_batch}: it is the mean "
+                             f"{bal.size}) must equal the Balance's global_batch {bal.settings.global_batch}: it is "
+                             f"the mean "
                              f"per-rank batch the Trainer logs; hetero decides each rank's own")
         if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential"):
             raise ValueError(f"hetero: train_sampling_strategy={a.train_sampling_strategy!r} is not supported: "
                              f"hetero's sampler decides every rank's samples")
         if a.auto_find_batch_size:
             raise ValueError("hetero: auto_find_batch_size is not supported: set the Balance's max_batch")
-        if bal.micro_batch:
+        if bal.settings.micro_batch:
             raise ValueError("hetero: micro_batch is not supported with the Trainer (it accumulates one fixed "
                              "count on every rank): use it in your own loop")
 
@@ -139,13 +140,13 @@ class HeteroTrainer(Trainer):
     def gradient_weight(self, inputs: dict[str, Any], num_items_in_batch) -> float:
         """This rank's gradient weight for the step (the weights sum to 1 over ranks; module docstring: (a), (b))."""
         bal = self.balance
-        if not bal.scheme.weighted:
+        if not bal.settings.weighted:
             return 1.0 / bal.size  # sync: DDP's mean, as plain DDP
         if self._counted(num_items_in_batch) and self.args.average_tokens_across_devices:
             return 1.0 / bal.size  # (a): compute_loss scaled the loss by world, over the global token count
         if self._counted(num_items_in_batch) and self._token_share is not None:
             return self._token_share  # (b) with counts: this rank's share of the step's valid tokens
-        return bal.last_sizes[bal.rank] / bal.global_batch  # (b): this rank's share of the samples
+        return bal.last_sizes[bal.rank] / bal.settings.global_batch  # (b): this rank's share of the samples
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         bal = self.balance
@@ -154,7 +155,7 @@ class HeteroTrainer(Trainer):
             raise RuntimeError(f"hetero: step got {rows} samples, the schedule says {want}: is the train "
                                f"DataLoader HeteroTrainer's own?")
         weight = self.gradient_weight(inputs, num_items_in_batch)
-        bal.set_weight(weight)
+        bal.engine.set_weight(weight)
         loss = super().training_step(model, inputs, num_items_in_batch)
         # the Trainer logs the mean of the ranks' losses: scaled so, it is the weighted mean, the global batch's
         return loss * (weight * bal.size)
@@ -177,14 +178,14 @@ class _BalanceSteps(TrainerCallback):
         if ddp is not self._ddp:  # a second train() on the same DDP model keeps its hook (DDP takes one)
             bal.attach(ddp)
             self._ddp = ddp
-        self.epoch = state.global_step // bal.steps_per_epoch  # a resumed run starts inside its epoch
+        self.epoch = state.global_step // bal.engine.plan.steps_per_epoch  # a resumed run starts inside its epoch
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self.trainer.balance.set_epoch(self.epoch)  # before the Trainer iterates the loader
 
     def on_step_begin(self, args, state, control, **kwargs):
         bal = self.trainer.balance
-        bal.begin_step(state.global_step - self.epoch * bal.steps_per_epoch)
+        bal.begin_step(state.global_step - self.epoch * bal.engine.plan.steps_per_epoch)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer.balance.end_step()  # after the optimizer step; decides every K steps and at the epoch's end

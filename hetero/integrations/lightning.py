@@ -10,6 +10,11 @@ Under torchrun and under Lightning's own launchers (`python train.py` with devic
 Balance learns its rank and world in `setup`, from the trainer (Balance.set_world), and `attach` then checks them
 against the process group on every rank.
 
+Checkpoints: the callback's state_dict is the Balance's (collective: Lightning builds a checkpoint on every rank),
+so a fit resumed with `trainer.fit(ckpt_path=...)` keeps every estimate, the sizes and, from a mid-epoch
+checkpoint, the position: the sampler then hands out the epoch's remaining steps, which Lightning numbers on from
+the saved batch index.
+
 Why a callback and not DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...): Lightning 2.6 registers a comm hook
 only when the root device is CUDA (DDPStrategy._register_ddp_hooks), so on CPU ranks it would silently keep DDP's
 plain mean. The callback registers the hook itself on every device; do not pass ddp_comm_hook as well.
@@ -32,7 +37,7 @@ class BalanceCallback(Callback):
             self.balance.set_world(trainer.global_rank, trainer.world_size)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.balance.micro_batch:  # Lightning accumulates one fixed count on every rank; k_i differs per rank
+        if self.balance.settings.micro_batch:  # Lightning accumulates one fixed count on every rank; k_i differs
             raise ValueError("hetero: micro_batch is not supported with Lightning: use it in your own loop")
         if trainer.accumulate_grad_batches != 1:
             raise ValueError("hetero: accumulate_grad_batches is not supported: raise global_batch instead")
@@ -46,3 +51,10 @@ class BalanceCallback(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self.balance.end_step()
+
+    def state_dict(self) -> dict:
+        """The Balance's complete state (collective: Lightning calls it on every rank)."""
+        return self.balance.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.balance.load_state_dict(state_dict)

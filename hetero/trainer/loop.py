@@ -155,7 +155,7 @@ def check_checkpoint(cfg: Config, world_size: int, n_classes: int, state: dict, 
             if buf is not None and (not isinstance(buf, torch.Tensor) or buf.shape != p.shape):
                 raise ValueError(f"a momentum buffer of shape {tuple(getattr(buf, 'shape', ()))} for a parameter of "
                                  f"shape {tuple(p.shape)}")
-        b = stand_in.balance.balancer
+        b = stand_in.balance.engine.plan.balancer
         if b.shares.shape != (world_size,) or b.sizes.shape != (world_size,) or not np.all(np.isfinite(b.shares)) \
                 or int(b.sizes.sum()) != cfg.global_batch or np.any(b.sizes < 0):
             raise ValueError(f"balancer shares {shown(b.shares.tolist())} and sizes {shown(b.sizes.tolist())} are not "
@@ -234,7 +234,8 @@ class Trainer:
                                         augment=False, memory_format=self.memory_format)
         self.balance = make_balance(cfg, world.rank, world.size, replay)
         self.max_batches = cfg.max_batches(world.size)
-        if any(self.balance.probes):  # collective: GPU ranks find their largest batch on the bare model, before DDP
+        # collective: GPU ranks find their largest batch on the bare model, before DDP
+        if any(s.probe for s in cfg.rank_settings(world.size)):
             self.max_batches = self.balance.probe(self.model, tuple(data.train_x.shape[1:]), len(data.classes), dev,
                                                   autocast=self.autocast, memory_format=self.memory_format,
                                                   gpu=world.gpu)
@@ -254,14 +255,14 @@ class Trainer:
         self.resumed_from: dict | None = None  # the checkpoint's world: its identities, epoch and step
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------
-    def state_dict(self, partial: dict | None = None) -> dict:
+    def state_dict(self, balance: dict, partial: dict | None = None) -> dict:
         """epoch: the epochs completed; partial (a step checkpoint): the running epoch's steps so far, its metric
         totals, time and every rank's augmentation RNG; identities: every rank's worker (Balance.identities)."""
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict(), "balancer": self.balance.balancer.state_dict(),
+                "scheduler": self.sched.state_dict(), "balancer": balance["balancer"],
                 "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed}, "epoch": self.epoch,
-                "train_time_s": self.train_time_s, "global_step": self.balance.global_step,
-                "history": [asdict(r) for r in self.history], "identities": self.balance.identities,
+                "train_time_s": self.train_time_s, "global_step": balance["global_step"],
+                "history": [asdict(r) for r in self.history], "identities": balance["identities"],
                 "partial": partial,
                 "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_plain(np.random.get_state())}}
 
@@ -299,7 +300,8 @@ class Trainer:
         part = self.partial if self.partial is not None and self.partial["epoch"] == epoch else None
         start = part["step"] if part else 0
         self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank))
-        if part and part.get("identities") == bal.identities and part.get("loader"):  # the same workers: exact
+        ids = bal.engine.plan.identities
+        if part and part.get("identities") == ids and part.get("loader"):  # the same workers: exact
             self.train_loader.gen.set_state(part["loader"][w.rank])
             with torch.no_grad():  # each rank's own batch-norm statistics (averaged only at the epoch's end)
                 for b, saved in zip(_float_buffers(self.model), part["buffers"][w.rank]):
@@ -314,7 +316,7 @@ class Trainer:
         if bar is not None and start:
             bar.update(start)
         for step in range(start, plan.steps):
-            sizes = bal.begin_step()  # every rank's batch size; this rank's gradient weight; the clock starts
+            sizes = bal.begin_step(step)  # every rank's batch size; this rank's gradient weight; the clock starts
             idx, counts = own_samples(plan, step, sizes, w.rank)  # counts 0: this rank sits out the step
             m = cfg.micro_batch or len(idx)  # --micro-batch: k_i = b / m micro-batches, all but the last no_sync
             for lo in range(0, len(idx), m):
@@ -325,7 +327,7 @@ class Trainer:
                         loss = F.cross_entropy(out.float(), y) * counts
                     loss.backward()  # the hook all-reduces weight_i * g_i; an emulated delay is spent in it
                     if bal.sync_now:
-                        bal.mark_backward()
+                        bal.engine.mark_backward()
                         self.opt.step()
                         self.opt.zero_grad(set_to_none=True)
                 with torch.no_grad():
@@ -377,17 +379,18 @@ class Trainer:
         checkpoint holds the partial epoch; its rows go to the tables when the epoch ends."""
         w, bal = self.world, self.balance
         self._check_finite(epoch, first_bad)
-        bal.observe_now()  # the steps since the last decision go into the balancer's state
+        balance = bal.state_dict()  # collective: with the steps since the last decision
         segments, totals, train_s = self._gathered(start, None, sums, t0)
         loaders, buffers = [None] * w.size, [None] * w.size
         dist.all_gather_object(loaders, self.train_loader.gen.get_state().cpu())
         dist.all_gather_object(buffers, [b.detach().cpu() for b in _float_buffers(self.model)])
-        new = {"epoch": epoch, "step": step, "identities": bal.identities, "loader": loaders, "buffers": buffers,
+        new = {"epoch": epoch, "step": step, "identities": bal.engine.plan.identities, "loader": loaders,
+               "buffers": buffers,
                "segments": (part["segments"] if part else []) + [g.plain() for g in segments],
                "totals": (np.asarray(part["totals"], float) + totals if part else totals).tolist(),
                "train_s": train_s + (part["train_s"] if part else 0.0)}
         if w.is_main:
-            self.folder.save_checkpoint(self.state_dict(new))
+            self.folder.save_checkpoint(self.state_dict(balance, new))
         self.saved_step = step
         if w.is_main:
             self.folder.write_json("summary.json", self.summary("running"))
@@ -416,8 +419,9 @@ class Trainer:
             self.sched.step()
             self.epoch, self.train_time_s = epoch, self.train_time_s + r.train_s
             row = self._record(epoch, r, ev, eval_s, lr)
+            balance = self.balance.state_dict()  # collective
             if w.is_main:
-                self.folder.save_checkpoint(self.state_dict())
+                self.folder.save_checkpoint(self.state_dict(balance))
             self.saved_epoch, self.saved_step = epoch, 0  # rank 0 saved it (else it raised: a summary claims less)
             if w.is_main:
                 self.folder.write_json("summary.json", self.summary("running"))

@@ -56,7 +56,7 @@ def membership_rows(trainer: Trainer, world: World) -> list[dict]:
     """membership.csv: one row per worker at each start of the run (the first, a --resume, a torchrun restart):
     when, after which epoch and step, the old and new world size, and each worker's identity with its rank in the
     new world and in the old (-1: not in it; a worker that left has rank -1)."""
-    now, ids = datetime.now().isoformat(timespec="seconds"), trainer.balance.identities
+    now, ids = datetime.now().isoformat(timespec="seconds"), trainer.balance.engine.plan.identities
     was = trainer.resumed_from or {"identities": [], "world": 0, "epoch": 0, "step": 0}
     old = was["identities"] or []
     src = remap_identities(old, was["world"], ids, world.size) if was["world"] else [None] * world.size
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             dist.broadcast_object_list(state, src=0)
             trainer.load_state_dict(state[0])
             del saved_state, state
-        meta = run_metadata(cfg, world, run_dir, trainer.balance.identities)
+        meta = run_metadata(cfg, world, run_dir, trainer.balance.engine.plan.identities)
         limits = trainer.max_batches
         meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
         if world.is_main:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hetero
+from hetero.core.plan import At
 from hetero.core.sampler import EpochPlan
 
 
@@ -64,8 +65,9 @@ def test_bad_settings_raise_one_clear_error(monkeypatch, kw, match):
 
 def test_state_dict_loads_with_weights_only(monkeypatch):
     bal = _balance(monkeypatch, 0, global_batch=32, scheme="affine")
-    bal.balancer.shares, bal.balancer.sizes = np.array([0.75, 0.25]), np.array([24, 8])
-    bal.global_step, bal.epoch, bal.balancer.decisions = 17, 2, 3  # past its probing steps
+    plan = bal.engine.plan
+    plan.balancer.shares, plan.balancer.sizes = np.array([0.75, 0.25]), np.array([24, 8])
+    plan.global_step, plan.at, plan.balancer.decisions = 17, At(epoch=2), 3  # past its probing steps
     buf = io.BytesIO()
     torch.save(bal.state_dict(), buf)
     buf.seek(0)
@@ -73,7 +75,7 @@ def test_state_dict_loads_with_weights_only(monkeypatch):
     other.load_state_dict(torch.load(buf, weights_only=True))
     other.batch_sampler(64)
     other.set_epoch(2)
-    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.global_step == 17
+    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.engine.plan.global_step == 17
 
 
 @pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])
@@ -83,10 +85,11 @@ def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     sampler = bal.batch_sampler(320)
 
     def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
-        sizes = torch.tensor(np.stack([r.sizes for r in bal.records[bal._decided_upto:]]), dtype=torch.float64)
+        plan = bal.engine.plan
+        sizes = torch.tensor(np.stack([r.sizes for r in plan.records[plan._window:]]), dtype=torch.float64)
         handed = row[-1:]
         return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
-    monkeypatch.setattr(hetero.core.balance, "gather_rows", fake_gather)
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", fake_gather)
     for epoch in range(2):
         bal.set_epoch(epoch)
         for batch in sampler:
@@ -118,14 +121,14 @@ def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
 def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
     recorded = {1: np.array([[3, 5], [6, 2], [4, 4]]), 2: np.array([[1, 7], [7, 1], [2, 6]])}
     bal = _balance(monkeypatch, 1, global_batch=8, scheme="edp", rebalance_every=1, replay=recorded)
-    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
     bal.batch_sampler(24)
-    assert bal.steps_per_epoch == 3
+    assert bal.engine.plan.steps_per_epoch == 3
     for epoch in (1, 2):
         bal.set_epoch(epoch)
         for step in range(3):
             assert bal.begin_step(step).tolist() == recorded[epoch][step].tolist()
-            assert bal.weight == recorded[epoch][step][1] / 8      # this rank's b_i / B
+            assert bal.engine.step.weight == recorded[epoch][step][1] / 8      # this rank's b_i / B
             bal.end_step()
         assert [r.sizes.tolist() for r in bal.epoch_records()] == recorded[epoch].tolist()
     assert bal.decisions == []
@@ -134,7 +137,7 @@ def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
 def test_affine_probes_two_sizes_in_its_first_window_then_decides(monkeypatch):
     bal = _balance(monkeypatch, 0, global_batch=40, scheme="affine", rebalance_every=4)
     bal.batch_sampler(400)  # the epoch's length
-    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, dev: torch.stack([row, row]))
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", lambda row, dev: torch.stack([row, row]))
     bal.set_epoch(1)
     seen = []
     for step in range(4):
@@ -150,12 +153,12 @@ def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
     bal.batch_sampler(16)  # the epoch's length
     bal.set_epoch(0)
     slept = []
-    monkeypatch.setattr(hetero.core.hook.time, "sleep", slept.append)
+    monkeypatch.setattr(hetero.core.engine.time, "sleep", slept.append)
     for step in range(2):
         bal.begin_step(step)
-        weight = bal.weight
-        bal.gradients_ready()                                    # what the hook does when gradients are ready
-        bal.mark_backward()
+        weight = bal.engine.step.weight
+        bal.engine.gradients_ready()                                    # what the hook does when gradients are ready
+        bal.engine.mark_backward()
         bal.end_step()
         assert weight == (0.0 if step == 0 else 0.5)
     recs = bal.epoch_records()

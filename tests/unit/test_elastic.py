@@ -45,7 +45,7 @@ def test_a_known_worker_keeps_its_estimate_and_a_new_one_starts_from_the_median(
 def test_balance_loads_a_state_from_another_world_under_the_identity_rules():
     saved = Balance(global_batch=B, scheme="edp")
     saved.set_world(0, 2)
-    saved.balancer.load_state_dict(_measured(2, slow=1).state_dict())
+    saved.engine.plan.balancer.load_state_dict(_measured(2, slow=1).state_dict())
     state = {**saved.state_dict(), "identities": ["host/gpu A", "host/gpu B"]}
     bal = Balance(global_batch=B, scheme="edp")
     bal.set_world(0, 3)
@@ -62,20 +62,17 @@ def test_a_mid_epoch_state_goes_on_at_its_step():
     for _ in range(3):
         bal.begin_step()
         bal.end_step()
-    assert bal.state_dict()["step"] == 0  # without observe_now: no position (the loop restores its own)
-    bal.observe_now()
-    state = bal.state_dict()
+    state = bal.state_dict()  # alone: no other call before it
     assert state["step"] == 3 and state["epoch"] == 1 and state["global_step"] == 3
-    assert len(bal.balancer._pending) == 1  # the three steps, in the saved balancer state
+    assert len(state["balancer"]["pending"]) == 1  # the three steps, in the saved balancer state
     again = Balance(global_batch=B, scheme="edp")  # decides at the epoch end only
     again.set_world(0, 1)
     again.batch_sampler(10 * B)
     again.load_state_dict(state)
     again.set_epoch(1)  # the loop's own call at the epoch's start: the epoch goes on where it was
     again.begin_step()
-    assert again.current_step().index == 3
+    assert again.engine.step.index == 3
     again.end_step()
-    again.observe_now()
     assert again.state_dict()["global_step"] == 4 and again.state_dict()["step"] == 4
 
 

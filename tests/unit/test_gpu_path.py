@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from hetero.core import memory
-from hetero.core.balance import spend_delay
 from hetero.core.clock import StepClock
 from hetero.core.emulator import Emulator
+from hetero.core.engine import spend_delay
 from hetero.core.memory import fitting_batch, is_alloc_failure
 from hetero.core.seeding import EMULATOR, epoch_seed
 from hetero.trainer.data import DeviceLoader

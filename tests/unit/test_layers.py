@@ -87,3 +87,38 @@ def test_the_core_needs_torch_and_numpy_alone_and_environment_yml_agrees_with_py
     env = yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]
     conda = {{"pytorch": "torch"}.get(n, n) for n in _names(d for d in env if isinstance(d, str))} - {"python", "pip"}
     assert conda == pip_names, (conda - pip_names, pip_names - conda)
+
+
+def _core_graph() -> dict[str, set[str]]:
+    """hetero.core's modules -> the core modules each imports (TYPE_CHECKING blocks included: ast sees them)."""
+    core = {p.stem for p in (PKG / "core").glob("*.py") if p.stem != "__init__"}
+    graph = {}
+    for name in core:
+        mods = _imports(PKG / "core" / f"{name}.py")
+        graph[name] = {m.split(".")[2] for m in mods if m.startswith("hetero.core.") and m.split(".")[2] in core}
+    return graph
+
+
+def test_no_part_of_the_core_imports_the_front_or_the_package_root():
+    """The parts beneath hetero.Balance (engine, plan, hook, guard, sampler, probe, fsdp, ...) never call up into it:
+    none imports balance.py, not even for a type, and the core takes nothing from the package root."""
+    graph = _core_graph()
+    assert not [m for m, deps in graph.items() if "balance" in deps], graph
+    rooted = [p.name for p in (PKG / "core").glob("*.py") if "hetero" in _imports(p) or any(
+        m in {"hetero.__version__", "hetero.Balance"} for m in _imports(p))]
+    assert not rooted, rooted
+
+
+def test_the_core_import_graph_has_no_cycle():
+    graph, done = _core_graph(), set()
+
+    def visit(m: str, path: tuple[str, ...]) -> None:
+        assert m not in path, " -> ".join([*path, m])
+        if m in done:
+            return
+        for d in sorted(graph[m]):
+            visit(d, (*path, m))
+        done.add(m)
+    for m in sorted(graph):
+        visit(m, ())
+    assert graph["balance"] >= {"engine", "plan", "settings"}  # the front sits on its parts

@@ -29,7 +29,7 @@ def test_a_peek_at_the_loader_names_the_second_iteration(monkeypatch):
 def test_a_loop_without_epochs_decides_every_k_steps(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(hetero.core.balance, "gather_rows", lambda row, dev: torch.stack(
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", lambda row, dev: torch.stack(
         [torch.cat([torch.full((len(row) - 1,), 1e-3, dtype=torch.float64), row[-1:]]),
          torch.cat([torch.full((len(row) - 1,), 3e-3, dtype=torch.float64), row[-1:]])]))
     bal = hetero.Balance(global_batch=32, scheme="dp", rebalance_every=5)

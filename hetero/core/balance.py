@@ -289,6 +289,11 @@ class Balance:
         return self.engine.plan.last.tolist()
 
     @property
+    def global_step(self) -> int:
+        """Steps ended so far, over every epoch (a resumed Balance counts on from its state)."""
+        return self.engine.plan.global_step
+
+    @property
     def decisions(self) -> list[Decision]:
         """Every rebalancing decision so far, in order (identical on every rank)."""
         return self.engine.plan.decisions

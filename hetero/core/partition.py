@@ -235,13 +235,14 @@ def affine_batch_sizes(fixed_s, per_sample_s, global_batch: int, min_batch=1, ma
     c = np.maximum(c, 1e-15)
     lo, hi = _as_bounds(n, min_batch, 0), np.minimum(_as_bounds(n, max_batch, np.inf), global_batch)
     entry = np.maximum(lo, 1)  # the smallest batch of a rank that takes part
+    can = hi >= entry          # a rank whose max_batch is 0 never takes part, whatever its speed
 
     def caps(T: float) -> np.ndarray:
         """Largest sizes whose predicted time is <= T: monotone in T, so bisection finds the minimax T."""
         k = np.clip(np.floor((T - a) / c), lo, hi)
-        return np.where(a + c * entry <= T, np.maximum(k, entry), 0.0) if sit_out else k
+        return np.where(can & (a + c * entry <= T), np.maximum(k, entry), 0.0) if sit_out else k
 
-    t_lo = float(np.min(a + c * entry)) * (1 - 1e-12) - 1e-300
+    t_lo = float(np.min(np.where(can, a + c * entry, np.inf))) * (1 - 1e-12) - 1e-300
     t_hi = float(np.max(a + c * hi)) * (1 + 1e-9) + 1e-300  # a margin: (t - a) / c must not round below hi
     if caps(t_lo).sum() >= global_batch:  # everyone at the minimum already fills the global batch
         return lo.astype(np.int64)

@@ -1,6 +1,5 @@
 """The affine balancer's maths: the fit, the exact minimax solver, the probe, stability controls, speed."""
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -223,23 +222,28 @@ def test_batch_sizes_regression_zero_share_takes_what_the_others_cannot():
     assert batch_sizes([0.0, 0.814], 182, 3, 113).tolist() == [69, 113]
 
 
-def test_one_decision_for_4096_ranks_is_vectorised():
-    """Reported, not asserted as an absolute time: a per-rank Python loop would make 64x the ranks cost about
-    64x the time; vectorised numpy costs a few times a 64-rank decision (fastest of interleaved repeats)."""
-    def decision_s(rule: str, n: int) -> float:
+def test_one_decision_for_4096_ranks_is_exact_and_follows_the_speeds():
+    """4096 ranks decide in one vectorised pass (its time is make sim-bench's, not asserted here: a timing ratio
+    is noise on a shared 2-core machine): the sizes sum to the global batch and the faster ranks get more."""
+    for rule in ("affine", "proportional"):
+        n = 4096
         rng = np.random.default_rng(n)
         a, c = rng.uniform(5e-3, 2e-2, n), rng.uniform(1e-5, 1e-4, n)
         bal = Balancer(rule, n, 64 * n)
         sizes = np.stack([bal.sizes_for_step(s) for s in range(50)])
-        times = affine_times(a, c, sizes)
-        t0 = time.perf_counter()
-        bal.observe(sizes, times)
+        bal.observe(sizes, affine_times(a, c, sizes))
         bal.decide()
-        return time.perf_counter() - t0
+        assert bal.sizes.sum() == 64 * n and np.all(bal.sizes >= 1)
+        fast, slow = np.argsort(a + 64 * c)[:100], np.argsort(a + 64 * c)[-100:]
+        assert bal.sizes[fast].mean() > bal.sizes[slow].mean()
 
-    for rule in ("affine", "proportional"):
-        small, large = np.inf, np.inf
-        for _ in range(12):
-            small, large = min(small, decision_s(rule, 64)), min(large, decision_s(rule, 4096))
-        print(f"one {rule} decision: 64 ranks {1e3 * small:.2f} ms, 4096 ranks {1e3 * large:.2f} ms")
-        assert large < 32 * small
+
+def test_a_rank_with_max_batch_zero_never_gets_a_sample_even_when_sitting_out_is_allowed():
+    """#36's edge: n=4, B=7, min 0, max [4, 3, 0, 6], sit_out: the rank with max_batch 0 got a sample."""
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        a, c = rng.uniform(0, 0.05, 4), rng.uniform(1e-4, 5e-3, 4)
+        b = affine_batch_sizes(a, c, 7, [0, 0, 0, 0], [4, 3, 0, 6], sit_out=True)
+        assert b.sum() == 7 and b[2] == 0 and np.all(b <= [4, 3, 0, 6]), (a, c, b)
+    b = affine_batch_sizes([0.0, 0.0, 0.0, 0.0], [1e-3] * 4, 7, [0, 0, 0, 0], [4, 3, 0, 6], sit_out=True)
+    assert b.tolist()[2] == 0 and b.sum() == 7

@@ -75,7 +75,7 @@ def test_state_dict_loads_with_weights_only(monkeypatch):
     other.load_state_dict(torch.load(buf, weights_only=True))
     other.batch_sampler(64)
     other.set_epoch(2)
-    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.engine.plan.global_step == 17
+    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.global_step == 17
 
 
 @pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])

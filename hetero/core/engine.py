@@ -60,6 +60,13 @@ def _together() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _stop(message: str):
+    """A refusal that may hold on this rank alone (its loop, not the settings): posted when others may be waiting."""
+    if _together():
+        refuse(message)
+    raise HeteroError(message)
+
+
 class Engine:
     """One rank's steps: begin ... end, the running step, the checks every door shares (module docstring)."""
 
@@ -126,7 +133,7 @@ class Engine:
         a loader (`with bal.step()` began it), so hetero's sampler must have handed it out."""
         p, s = self.plan, self.settings
         if self.step is not None:
-            raise HeteroError(f"hetero: begin_step at step {self.step.index} of epoch {p.at.epoch}, which has not "
+            _stop(f"hetero: begin_step at step {self.step.index} of epoch {p.at.epoch}, which has not "
                               f"ended: end each step (end_step) before the next begins")
         if not p.at.started and p.steps_per_epoch:
             self.start_epoch(p.at.epoch)
@@ -138,20 +145,23 @@ class Engine:
                               "DDP's plain mean, not weighted by the batch sizes")
         index = p.at.step
         if step is not None and step != index:
-            raise HeteroError(f"hetero: the loop is at step {step} of epoch {p.at.epoch}, but the Balance at step "
+            _stop(f"hetero: the loop is at step {step} of epoch {p.at.epoch}, but the Balance at step "
                               f"{index}: every step must begin and end once, in order (a resumed loop loads the "
                               f"Balance's state_dict)")
+        if self.fsdp is not None and s.micro_batch and not from_loader:
+            raise HeteroError("hetero: FSDP2 with micro_batch runs each micro-batch in `with bal.step():` (its "
+                              "schedule keeps every rank's collectives equal); begin_step by hand cannot")
         if index >= (p.steps_per_epoch or ENDLESS):
-            raise HeteroError(f"hetero: epoch {p.at.epoch} has run all its {p.steps_per_epoch} steps: call "
+            _stop(f"hetero: epoch {p.at.epoch} has run all its {p.steps_per_epoch} steps: call "
                               f"bal.set_epoch(epoch) before each epoch")
         if from_loader and p.steps_per_epoch and not p.handed_out(p.at.epoch, index):
-            raise HeteroError(f"hetero: step {index} of epoch {p.at.epoch} was not handed out by hetero's sampler: "
+            _stop(f"hetero: step {index} of epoch {p.at.epoch} was not handed out by hetero's sampler: "
                               f"give the DataLoader batch_sampler=bal.batch_sampler(len(ds)) (a loop cutting its own "
                               f"batches begins each step with bal.begin_step(), which returns the sizes)")
         sizes = p.sizes_at(p.at.epoch, index)
         b, m = int(sizes[self.rank]), s.micro_batch
         if m and (b % m or not b):
-            raise HeteroError(f"hetero: step {index} gives rank {self.rank} {b} samples, not whole micro-batches "
+            _stop(f"hetero: step {index} gives rank {self.rank} {b} samples, not whole micro-batches "
                               f"of {m} (a replay recorded with another micro_batch?)")
         k = b // m if m else 1
         # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
@@ -180,12 +190,12 @@ class Engine:
         s = self.step
         want = self.settings.micro_batch or int(s.sizes[self.rank])
         if batch_size is not None and batch_size != want:
-            raise HeteroError(f"hetero: step {s.index} got {batch_size} samples, the schedule says {want}: is the "
+            _stop(f"hetero: step {s.index} got {batch_size} samples, the schedule says {want}: is the "
                               f"loader this Balance's sampler?")
         self.sync_now = s.last_micro_batch
-        if self.fsdp is not None:  # FSDP2: no no_sync; its own schedule (the same collectives on every rank)
-            self.fsdp.begin(first=s.left == s.expected, sync=self.sync_now)
         try:
+            if self.fsdp is not None:  # FSDP2: no no_sync; its own schedule (the same collectives on every rank)
+                self.fsdp.begin(first=s.left == s.expected, sync=self.sync_now)
             with nullcontext() if self.sync_now or self.fsdp is not None else self.model.no_sync():
                 yield
         except HeteroError:

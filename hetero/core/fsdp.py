@@ -134,7 +134,12 @@ class TimedAllGather(_Timed, AllGather or object):
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         t0 = time.perf_counter()
-        work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        try:
+            work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        except Exception:
+            if self.engine.collective_failed():  # a peer stopped and said why
+                raise HeteroError(self.engine.peer_failed) from None
+            raise
         self.held(t0)
         return work
 

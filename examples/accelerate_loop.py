@@ -1,8 +1,8 @@
 """A tiny GPT-2 on local text in a plain loop on accelerate.Accelerator with hetero: per-rank batch sizes by speed.
 
-    torchrun --standalone --nproc-per-node=2 examples/accelerate_loop.py --text docs/trainer.md \
+    torchrun --standalone --nproc-per-node=2 examples/accelerate_loop.py --text docs/huggingface.md \
         --hetero 1:slowdown=3 --rebalance-every 5       # rank 1 emulated 3x slower: it gets about a quarter
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py --text docs/trainer.md \
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py --text docs/huggingface.md \
         --hetero 1:slowdown=3
 
 (--multi_gpu is accelerate's torchrun launcher, also for CPU ranks: the script asks for Accelerator(cpu=True) when
@@ -76,7 +76,7 @@ def main(args) -> int:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--text", default="docs/trainer.md", help="a local text file: its characters are the tokens")
+    p.add_argument("--text", default="docs/huggingface.md", help="a local text file: its characters are the tokens")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--length", type=int, default=32, help="characters per row")

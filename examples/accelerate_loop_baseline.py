@@ -1,7 +1,7 @@
 """A tiny GPT-2 on local text in a plain loop on accelerate.Accelerator (the baseline of accelerate_loop.py: `diff`).
 
-    torchrun --standalone --nproc-per-node=2 examples/accelerate_loop_baseline.py --text docs/trainer.md
-    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop_baseline.py --text docs/trainer.md
+    torchrun --standalone --nproc-per-node=2 examples/accelerate_loop_baseline.py --text docs/huggingface.md
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop_baseline.py --text docs/huggingface.md
 """
 import argparse
 import json
@@ -53,7 +53,7 @@ def main(args) -> int:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--text", default="docs/trainer.md", help="a local text file: its characters are the tokens")
+    p.add_argument("--text", default="docs/huggingface.md", help="a local text file: its characters are the tokens")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--length", type=int, default=32, help="characters per row")

@@ -1,6 +1,6 @@
 """A tiny GPT-2 on local text with the transformers Trainer and hetero: per-rank batch sizes balanced by measured speed.
 
-    torchrun --standalone --nproc-per-node=2 examples/hf_trainer.py --text docs/trainer.md \
+    torchrun --standalone --nproc-per-node=2 examples/hf_trainer.py --text docs/huggingface.md \
         --hetero 1:slowdown=3 --rebalance-every 5       # rank 1 emulated 3x slower: it gets about a quarter
 
 No downloads: the model is built from a config and the tokens are the text's characters.
@@ -121,7 +121,7 @@ def main(args) -> int:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--text", default="docs/trainer.md", help="a local text file: its characters are the tokens")
+    p.add_argument("--text", default="docs/huggingface.md", help="a local text file: its characters are the tokens")
     p.add_argument("--out", default="runs/hf_trainer", help="the Trainer's output_dir")
     p.add_argument("--pretrained", default="", help="a Hugging Face model (cached) instead of the tiny one")
     p.add_argument("--epochs", type=int, default=2)

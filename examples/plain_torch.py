@@ -1,7 +1,7 @@
 """ResNet-18 on an ImageFolder with PyTorch DDP and hetero: per-rank batch sizes balanced by measured speed.
 
     torchrun --standalone --nproc-per-node=2 examples/plain_torch.py --data ../shared/data/cifar10-jpg/train \
-        --hetero 1:slowdown=3 --rebalance-every 10       # rank 1 emulated 3x slower (docs/own-loop.md)
+        --hetero 1:slowdown=3 --rebalance-every 10       # rank 1 emulated 3x slower (docs/quickstart.md)
 """
 import argparse
 import json

@@ -1,7 +1,7 @@
 """The command-line face of Config: one flag per field (--help, make help and the docs' flag table come from the
 fields' metadata), and the parser class every hetero command uses for one-line errors.
 
-    python -m hetero.trainer.cli [--markdown]    # the flag table: plain for make help, markdown for docs/trainer.md
+    python -m hetero.trainer.cli [--markdown]    # the flag table: plain for make help, markdown for docs/cli.md
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _shown(value) -> str:
 
 
 def flag_help(name: str) -> str:
-    """One field's help line: its meaning, choices and default (the text of --help, make help and docs/trainer.md)."""
+    """One field's help line: its meaning, choices and default (the text of --help, make help and docs/cli.md)."""
     f = next(f for f in fields(Config) if f.name == name)
     choices = f.metadata.get("choices") or (("true", "false") if str(f.type) == "bool" else ())
     return f"{f.metadata.get('help', '')} (" + (f"choices: {', '.join(choices)}; " if choices else "") + \
@@ -80,7 +80,7 @@ def _md(text: str) -> str:
 
 
 def flag_table(markdown: bool = False) -> str:
-    """Every field as Make variable, flag and help line: plain text for make help, a table for docs/trainer.md."""
+    """Every field as Make variable, flag and help line: plain text for make help, a table for docs/cli.md."""
     rows = [(f.name.upper(), f"--{_flag(f.name)}", flag_help(f.name)) for f in fields(Config)]
     if markdown:
         return "\n".join(["| Make variable | flag | meaning (choices; default) |", "|---|---|---|",
@@ -108,5 +108,5 @@ def parse_args(argv: list[str] | None = None) -> tuple[Config, argparse.Namespac
     return cfg, ns
 
 
-if __name__ == "__main__":  # make help (plain) and docs/trainer.md's flag table (--markdown)
+if __name__ == "__main__":  # make help (plain) and docs/cli.md's flag table (--markdown)
     print(flag_table(markdown="--markdown" in sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""--help, make help and the docs' flag table (docs/trainer.md) come from one source (the Config fields' metadata);
+"""--help, make help and the docs' flag table (docs/cli.md) come from one source (the Config fields' metadata);
 make lab keeps --allow-root as root; the Jupyter kernel lives in the venv and papermill uses it.
 Here the cases that launch processes; those in one process: tests/unit/test_cli_help.py."""
 from __future__ import annotations

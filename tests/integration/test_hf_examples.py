@@ -1,4 +1,5 @@
-"""The Hugging Face examples under torchrun on 2 CPU ranks (gloo), a tiny GPT-2 on docs/trainer.md's characters, rank 1
+"""The Hugging Face examples under torchrun on 2 CPU ranks (gloo), a tiny GPT-2 on the characters of
+docs/huggingface.md (the page of these examples; they need 12,288 characters, docs/trainer.md lacks them), rank 1
 emulated 3x slower and rebalancing every 5 steps (the Trainer's with 2 DataLoader workers): every sample of each
 epoch is consumed exactly once across the ranks, the slow rank's share falls well below a half, and the loss falls
 as the same script's without hetero. A Trainer run stopped after a save_steps checkpoint resumes with hetero's
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.slow  # the Hugging Face examples under torchrun and ac
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
 SUBSET, B, STEPS = 320, 32, 10  # steps per epoch
-ARGS = ["--text", str(ROOT / "docs" / "trainer.md"), "--subset", str(SUBSET), "--global-batch", str(B), "--epochs", "2"]
+TEXT = ROOT / "docs" / "huggingface.md"
+ARGS = ["--text", str(TEXT), "--subset", str(SUBSET), "--global-batch", str(B), "--epochs", "2"]
 HETERO = ["--hetero", "1:slowdown=3", "--rebalance-every", "5"]
 
 

@@ -1,4 +1,4 @@
-"""--help, make help and the docs' flag table (docs/trainer.md) come from one source (the Config fields' metadata);
+"""--help, make help and the docs' flag table (docs/cli.md) come from one source (the Config fields' metadata);
 make lab keeps --allow-root as root; the Jupyter kernel lives in the venv and papermill uses it.
 Here the cases in one process; those that launch processes: tests/integration/test_cli_help_launch.py."""
 from __future__ import annotations
@@ -36,5 +36,5 @@ def test_choices_match_what_validation_accepts():
 
 
 def test_docs_flag_table_is_the_generated_one():
-    page = (ROOT / "docs" / "trainer.md").read_text()
+    page = (ROOT / "docs" / "cli.md").read_text()
     assert flag_table(markdown=True) in page, "regenerate it: python -m hetero.trainer.cli --markdown"

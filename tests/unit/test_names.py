@@ -39,4 +39,4 @@ def test_the_docs_example_diffs_are_the_examples_diffs():
     for page in sorted((ROOT / "docs").glob("*.md")):
         text = page.read_text()
         assert mod.regenerate(text) == text, f"{page.name}: stale example diff (run python scripts/example_diffs.py)"
-    assert mod.NAMED.search((ROOT / "docs" / "own-loop.md").read_text())  # the check can see a named diff
+    assert mod.NAMED.search((ROOT / "docs" / "quickstart.md").read_text())  # the check can see a named diff

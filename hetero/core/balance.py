@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 from .agree import HeteroError, gather_identities, launcher_world, remap_identities
-from .emulator import Emulator, parse_hetero
-from .engine import Engine
+from .emulator import parse_hetero
+from .engine import Engine, emulated
+from .guard import OptimizerGuard
 from .hook import balance_hook
-from .plan import Plan
 from .probe import probe_all
 from .records import Decision, StepRecord
 from .rules import whole
@@ -95,14 +95,7 @@ class Balance:
         rank, world = whole("rank", rank, 0), whole("world", world, 1)
         if rank >= world:
             raise ValueError(f"rank {rank} outside a world of {world}")
-        plan = Plan(self.settings, rank, world)
-        plan.replayed = self._replay
-        self._engine = Engine(plan, self._emulator(rank, world), self._hetero)
-
-    def _emulator(self, rank: int, world: int) -> Emulator:
-        if far := [r for r in parse_hetero(self._hetero) if r >= world]:
-            raise ValueError(f"hetero names rank {far[0]}, but the world has {world} rank(s) (ranks count from 0)")
-        return Emulator(self._hetero, rank, self.settings.seed)
+        self._engine = Engine.build(self.settings, rank, world, self._hetero, self._replay)
 
     @property
     def engine(self) -> Engine:
@@ -144,7 +137,7 @@ class Balance:
             raise HeteroError("hetero: emulate() after attach: plug the emulation in before bal.attach(model)")
         self._hetero = spec
         if (e := self._engine) is not None:  # else when the world is bound (Lightning: the callback's setup)
-            e.emulator, e.hetero = self._emulator(e.rank, e.world), spec
+            e.emulator, e.hetero = emulated(spec, e.rank, e.world, self.settings.seed), spec
             if e.plan.at.started:  # plugged in mid-run: its draws follow the epoch already started
                 e.emulator.start_epoch(e.plan.at.epoch)
 
@@ -202,7 +195,6 @@ class Balance:
         if any(e.plan.probes) and not self._probed:
             raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
         from . import fsdp  # torch only; refuses FSDP1, DDP around FSDP2, a non-root, ...
-        from .guard import OptimizerGuard
 
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, e.world):
             e.fsdp = fsdp.attach(e, model)

@@ -27,9 +27,10 @@ import torch.distributed as dist
 
 from .agree import HeteroError, agree, guarded, peer_error, post, same_steps
 from .clock import StepClock
-from .emulator import Emulator
+from .emulator import Emulator, parse_hetero
 from .plan import ENDLESS, Plan
 from .records import Decision
+from .settings import Settings
 from .step import Step
 
 
@@ -48,6 +49,13 @@ def spend_delay(emulator: Emulator, epoch: int, global_step: int, clock: StepClo
             clock.wait_device()
         time.sleep(delay)
     return delay
+
+
+def emulated(spec: str, rank: int, world: int, seed: int) -> Emulator:
+    """This rank's emulated effects; a spec naming a rank outside the world is refused."""
+    if far := [r for r in parse_hetero(spec) if r >= world]:
+        raise ValueError(f"hetero names rank {far[0]}, but the world has {world} rank(s) (ranks count from 0)")
+    return Emulator(spec, rank, seed)
 
 
 def refuse(message: str):
@@ -83,6 +91,13 @@ class Engine:
         self.peer_failed: str | None = None  # a peer's posted line, seen when this rank's collective failed
 
     # -- set-up and epochs -----------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, settings: Settings, rank: int, world: int, hetero: str, replay) -> Engine:
+        """The parts of one rank's Balance, once its world is known: the plan and the emulated slow ranks."""
+        plan = Plan(settings, rank, world)
+        plan.replayed = replay
+        return cls(plan, emulated(hetero, rank, world, settings.seed), hetero)
+
     def fingerprint(self) -> dict:
         """Every setting the ranks must share, as plain data (compared at attach and at each set_epoch)."""
         from . import __version__

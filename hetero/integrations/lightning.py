@@ -47,7 +47,7 @@ class BalanceCallback(Callback):
         self.balance.set_epoch(trainer.current_epoch)  # also done by Lightning through the sampler's set_epoch
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        self.balance.begin_step(batch_idx)
+        self.balance.engine.begin(batch_idx, from_loader=True)  # the batch is the sampler's: checked
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         self.balance.end_step()

@@ -7,8 +7,9 @@ test_lightning_launch.py and test_hf.py). Misuses:
 - no_epoch: a loop that never calls bal.set_epoch iterates a second epoch;
 - plain_loader: the loop's batches come from a plain DataLoader, not hetero's sampler (the `with bal.step()`
   door; a begin_step loop cuts its own batches from the sizes begin_step returns, by contract).
-Each must stop both ranks with the same one `hetero:` line (never a socket error or a hang). Two gloo ranks per door, every case in the same two processes,
-each with a fresh process group (a refusal that posts its line closes the group)."""
+Each must stop both ranks with the same one `hetero:` line (never a socket error or a hang). Two gloo ranks per
+door, every case in the same two processes, each with a fresh process group (a refusal that posts its line closes
+the group). The Lightning door also refuses a plain DataLoader (test_lightning_launch.py)."""
 from __future__ import annotations
 
 import datetime
@@ -28,6 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
 from hetero.lab.launch import free_port
+
+pytestmark = pytest.mark.slow  # four two-rank launches, each waiting out a peer's group timeout in two cases
 
 N, B, M = 64, 16, 4  # samples, global batch, micro-batch (counts [3, 1] or [1, 3] of 4)
 MISUSES = ("fewer", "more", "no_epoch", "plain_loader")
@@ -91,7 +94,7 @@ def _case(door: str, kind: str, misuse: str) -> None:
         return
     # fewer / more: a nanoGPT-style loop without epochs (no sampler) that runs its own fixed count of 2
     # micro-batches per step, where rank 0's planned count is 3 (fewer) or 1 (more); rank 1 runs its own count
-    for step in range(N // B):
+    for _ in range(N // B):
         ran = 2 if rank == 0 else counts[1]
         if door == "step":
             for _ in range(ran):

@@ -31,3 +31,22 @@ def test_lightnings_own_launcher_covers_every_sample_and_moves_shares(tmp_path, 
     d = ranks[0]["decisions"]
     assert d == ranks[1]["decisions"] and len(d) == 8            # every 2 of 8 steps, 2 epochs, on both ranks alike
     assert d[-1]["sizes"][0] > d[-1]["sizes"][1]                # the 3x slower rank 1 gives work away
+
+
+def test_a_fit_resumed_from_a_mid_epoch_checkpoint_keeps_the_slow_ranks_share_and_its_coverage(tmp_path):
+    """BalanceCallback's state_dict is the Balance's: stopped at step 11 (3 steps into epoch 1) and resumed with
+    trainer.fit(ckpt_path=...), the resumed run's first step already gives the 3x slower rank 1 less than half
+    (no reset to an even split), and epoch 1's steps before and after the checkpoint consume each sample once."""
+    script, out, folder = ROOT / "tests" / "scripts" / "lightning_resume.py", tmp_path / "rec", tmp_path / "ckpt"
+    for phase in ("first", "again"):
+        p = subprocess.run([sys.executable, str(script), str(out), str(folder), phase], cwd=tmp_path,
+                           env=clean_env(threads="1"), capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-4000:]
+    first, again = ([json.loads((tmp_path / f"rec.{ph}.rank{r}.json").read_text()) for r in range(2)]
+                    for ph in ("first", "again"))
+    assert sorted(first[0]["seen"]["0"] + first[1]["seen"]["0"]) == list(range(256))   # epoch 0, all of it
+    epoch1 = [i for run in (first, again) for r in run for i in r["seen"].get("1", [])]
+    assert sorted(epoch1) == list(range(256)), "epoch 1 across the resume: not every sample exactly once"
+    assert again[0]["first"]["epoch"] == 1 and again[0]["first"]["batch_idx"] == 3     # goes on at its step
+    sizes = again[0]["first"]["sizes"]
+    assert sizes == again[1]["first"]["sizes"] and sizes[1] < sizes[0]               # the estimate came back

@@ -86,3 +86,14 @@ def test_the_home_page_is_the_readme_with_its_links_into_the_site(site):
 def test_the_api_page_renders_the_balance(site):
     api = (site / "api" / "index.html").read_text()
     assert 'id="hetero.core.balance.Balance"' in api
+
+
+def test_the_api_page_shows_the_balances_arguments_as_a_table_with_their_meanings(site):
+    api = (site / "api" / "index.html").read_text()
+    start = api.index('id="hetero.core.balance.Balance"')
+    table = api[start:api.index("</table>", start)]
+    cells = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", table))
+    for name, meaning in [("global_batch", "samples per step over every rank"), ("rebalance_every", "decide every K"),
+                          ("micro_batch", "each rank runs its own count"), ("worker_id", "identity")]:
+        assert name in cells and meaning in cells, (name, cells[:400])
+    assert 'id="hetero.core.engine.Engine"' in api  # the extension surface, apart from the user's verbs

@@ -1,6 +1,6 @@
 """The examples under torchrun on 2 CPU ranks (gloo), real images, 2 DataLoader workers, rank 1 emulated 3x slower
 and rebalancing every 2 steps mid-epoch: every sample of each epoch is consumed exactly once across the ranks, and
-the shares move to the fast rank. (The exact EDP gradient is proved in test_api.py.)"""
+the shares move to the fast rank. (The exact EDP gradient is proved in tests/integration/test_balance_launch.py.)"""
 from __future__ import annotations
 
 import json

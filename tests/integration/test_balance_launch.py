@@ -1,7 +1,7 @@
 """The public API (hetero.Balance): the batch sampler's cut, the decision schedule under DataLoader workers, the
 exact EDP gradient (also with GradScaler and clipping), refusals, and checkpoints. Two-rank cases run as two gloo
 processes started by torch.multiprocessing.spawn.
-Here the cases that launch processes; those in one process: tests/unit/test_api.py."""
+Here the cases that launch processes; those in one process: tests/unit/test_balance.py."""
 from __future__ import annotations
 
 import json

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .agree import HeteroError, gather_identities, launcher_world, remap_identities
+from .agree import HeteroError, gather_identities, launcher_world
 from .emulator import parse_hetero
 from .engine import Engine, emulated
 from .guard import OptimizerGuard
@@ -169,13 +169,7 @@ class Balance:
         Raises:
             HeteroError: on every rank alike, when a rank's probe failed or probing ranks share a GPU.
         """
-        plan = self.engine.plan
-        probed = probe_all(plan, model, sample_shape, classes, device, autocast, memory_format, gpu)
-        limits = [p if pr else c for p, pr, c in zip(probed, plan.probes, plan.configured)]
-        try:
-            plan.bound(limits)
-        except ValueError as e:
-            raise HeteroError(f"hetero: after the probe, {e}") from None
+        limits = probe_all(self.engine.plan, model, sample_shape, classes, device, autocast, memory_format, gpu)
         self._probed = True
         return limits
 
@@ -318,11 +312,7 @@ class Balance:
             ValueError: a state that does not fit (its world's identities, or its position past the epoch).
         """
         e = self.engine
-        saved, ids = state["balancer"], state.get("identities")
-        if ids is not None and len(ids) != len(saved["shares"]):
-            raise ValueError(f"a balancer state of {len(saved['shares'])} rank(s) with {len(ids)} identities")
-        src = remap_identities(ids, len(saved["shares"]), identities or e.plan.identities, e.world)
-        e.plan.load_state_dict(state, src)
+        e.plan.load_state_dict(state, identities or e.plan.identities)
         if e.plan.at.started:  # mid-epoch: the emulator's draws follow the epoch
             e.emulator.start_epoch(e.plan.at.epoch)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .agree import HeteroError, gather_rows, guarded
+from .agree import HeteroError, gather_rows, guarded, remap_identities
 from .balancer import Balancer
 from .partition import check_feasible
 from .records import Decision, StepRecord
@@ -213,9 +213,12 @@ class Plan:
                 "step": at.step if mid else 0, "global_step": self.global_step, "identities": self.identities,
                 "steps_per_epoch": self.steps_per_epoch}
 
-    def load_state_dict(self, state: dict, src: list[int | None]) -> None:
-        """Resume: the balancer (carried over by identity, src: saved rank per rank) and the position."""
-        saved = state["balancer"]
+    def load_state_dict(self, state: dict, identities: list[str] | None) -> None:
+        """Resume: the balancer (carried over by worker identity to this world's, when known) and the position."""
+        saved, ids = state["balancer"], state.get("identities")
+        if ids is not None and len(ids) != len(saved["shares"]):
+            raise ValueError(f"a balancer state of {len(saved['shares'])} rank(s) with {len(ids)} identities")
+        src = remap_identities(ids, len(saved["shares"]), identities, self.world)
         if src == list(range(self.world)) and len(saved["shares"]) == self.world:
             self.balancer.load_state_dict(saved)
         else:

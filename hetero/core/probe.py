@@ -20,8 +20,8 @@ from .plan import Plan
 
 def probe_all(plan: Plan, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int,
               device: torch.device, autocast=None, memory_format=torch.contiguous_format, gpu: str = "") -> list[float]:
-    """Every rank's probed largest batch (inf: not probed, or a CPU rank), in rank order; HeteroError on every
-    rank alike when a probe failed or probing ranks share a GPU."""
+    """Every rank's largest batch (inf: none; a CPU rank, or not probed: its configured one), in rank order, now
+    the plan's bounds; HeteroError on every rank alike when a probe failed or probing ranks share a GPU."""
     if device.type == "cuda" and not gpu:
         gpu = gpu_identity(torch.cuda.get_device_properties(device), device.index or 0)
     own, err = float("inf"), ""
@@ -47,4 +47,10 @@ def probe_all(plan: Plan, model: torch.nn.Module, sample_shape: tuple[int, ...],
                           f"their max_batch as numbers")
     if failed := [r for r, row in enumerate(rows) if row["error"]]:
         raise HeteroError(f"hetero: the largest-batch probe failed on rank {failed[0]}: {rows[failed[0]]['error']}")
-    return [float("inf") if r["limit"] is None else float(r["limit"]) for r in rows]
+    probed = [float("inf") if r["limit"] is None else float(r["limit"]) for r in rows]
+    limits = [p if pr else c for p, pr, c in zip(probed, plan.probes, plan.configured)]
+    try:
+        plan.bound(limits)  # the sizes start afresh within them
+    except ValueError as e:
+        raise HeteroError(f"hetero: after the probe, {e}") from None
+    return limits

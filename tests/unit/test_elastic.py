@@ -163,3 +163,32 @@ def test_balance_takes_its_worker_id_over_the_environment_and_the_environment_ov
     monkeypatch.setenv("HETERO_WORKER_ID", "a,b,c")
     with pytest.raises(HeteroError, match="lists 3 names for the 2 worker"):
         attached()
+
+
+def test_torchrun_run_ids_that_share_a_prefix_get_folders_of_their_own(monkeypatch):
+    from hetero.trainer.cli import parse_args
+    from hetero.trainer.run import resolve_run_dir, run_id_folder
+
+    cfg, _ = parse_args(["--model", "tiny", "--data", "synthetic"])
+    folders = set()
+    for run_id in ("experiment-2026-12-01-a", "experiment-2026-12-01-b"):  # the first 12 characters alike
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        got, resume = resolve_run_dir(cfg)
+        assert not resume and got.run_dir == f"runs/tiny-edp-{run_id}"
+        folders.add(got.run_dir)
+    assert len(folders) == 2
+    odd = [run_id_folder(r) for r in ("a/b", "a_b", "../..", "x" * 300, "x" * 301)]
+    assert len(set(odd)) == len(odd) and not any("/" in f or f.startswith(".") or len(f) > 100 for f in odd)
+
+
+def test_a_malformed_or_duplicate_worker_name_is_one_line_before_the_process_group(monkeypatch, capsys):
+    from hetero.trainer.dist import Place, duplicate_worker
+
+    from helpers import SMALL, assert_one_line, check
+
+    monkeypatch.setenv("HETERO_WORKER_ID", "a,b")  # two names, one worker on this node
+    rc, err = check(SMALL, monkeypatch, capsys)
+    assert_one_line(rc, err, "HETERO_WORKER_ID=\"a,b\" lists 2 names for the 1 worker(s) of this node")
+    places = [Place("h1", "cpu", "", 0, "spot"), Place("h2", "cpu", "", 0, ""), Place("h3", "cpu", "", 0, "spot")]
+    assert "ranks 0 and 2 are both worker 'spot' (HETERO_WORKER_ID on h1 and h3)" in duplicate_worker(places)
+    assert duplicate_worker(places[:2]) == "" and duplicate_worker([Place("h", "cpu", "", 0)] * 2) == ""

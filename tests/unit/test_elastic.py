@@ -192,3 +192,13 @@ def test_a_malformed_or_duplicate_worker_name_is_one_line_before_the_process_gro
     places = [Place("h1", "cpu", "", 0, "spot"), Place("h2", "cpu", "", 0, ""), Place("h3", "cpu", "", 0, "spot")]
     assert "ranks 0 and 2 are both worker 'spot' (HETERO_WORKER_ID on h1 and h3)" in duplicate_worker(places)
     assert duplicate_worker(places[:2]) == "" and duplicate_worker([Place("h", "cpu", "", 0)] * 2) == ""
+
+
+def test_make_experiment_passes_the_agent_settings_the_bench_measures():
+    from hetero.lab.launch import ROOT
+    from hetero.lab.recovery import AGENT
+
+    make = (ROOT / "Makefile").read_text()
+    conf, monitor = AGENT.torchrun_args()
+    assert f"RDZV_CONF := {conf.removeprefix('--rdzv-conf=')}\n" in make
+    assert f"--rdzv-conf=$(RDZV_CONF) {monitor}\n" in make

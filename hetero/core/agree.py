@@ -205,7 +205,7 @@ def named_identity(value: str | None = None, local_rank: int | None = None,
         if not all(names):
             raise HeteroError(f"hetero: {where} has an empty name in its list (one name per local rank, "
                               f"comma-separated)")
-        if len(names) != local_world:
+        if len(names) != local_world or not 0 <= local_rank < len(names):
             raise HeteroError(f"hetero: {where} lists {len(names)} names for the {local_world} worker(s) of this "
                               f"node (LOCAL_WORLD_SIZE): give one per local rank, or one name holding "
                               f"{LOCAL_RANK_FIELD}")

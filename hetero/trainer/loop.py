@@ -251,7 +251,7 @@ class Trainer:
         # the running epoch's part saved by a step checkpoint (--checkpoint-every): where it goes on and what ran
         self.partial: dict | None = None
         self.saved_step = 0  # steps of epoch saved_epoch + 1 in the checkpoint
-        self.first_step_time: float | None = None  # wall clock (s since the epoch) at this process's first step end
+        self.first_step_time: float | None = None  # Unix time (s) at the end of this process's first step
         self.resumed_from: dict | None = None  # the checkpoint's world: its identities, epoch and step
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------

@@ -181,17 +181,54 @@ def guarded(fn, *args):
 # What a balancer's per-rank estimate belongs to across restarts and changes of world size. A rank number names a
 # place in one world; after a restart with more or fewer workers, rank 1 may be another machine. By default a
 # worker is its host and device (a GPU's UUID; on a CPU the cores it is pinned to, else its local rank on the
-# host), or the name a user gives it: HETERO_WORKER_ID in the worker's environment (e.g. set for a node's torchrun
-# agent, whose workers then add their local rank when it runs several), or Balance(worker_id=...). Two agents on
-# one host (a test of elasticity) run workers that nothing tells apart but such a name.
+# host), or the name a user gives it: Balance(worker_id=...), else HETERO_WORKER_ID in the worker's environment.
+# A name given is the identity as written, whatever the local rank: a worker started on another local rank (srun,
+# a scheduler that sets LOCAL_RANK per process) keeps its estimate. One agent that starts several workers with one
+# environment names each of them with a list (one name per local rank) or a template holding {local_rank}.
 IDENTITY_ENV = "HETERO_WORKER_ID"
+LOCAL_RANK_FIELD = "{local_rank}"
+
+
+def named_identity(value: str | None = None, local_rank: int | None = None,
+                   local_world: int | None = None) -> str | None:
+    """The worker's name from HETERO_WORKER_ID (None: unset or blank): `name` as written; `a,b,c` one name per local
+    rank (as many as LOCAL_WORLD_SIZE); `node7/gpu{local_rank}` the local rank filled in. Raises HeteroError (one
+    line) for a list of the wrong length, an empty entry or another {field}."""
+    value = os.environ.get(IDENTITY_ENV, "") if value is None else value
+    if not value.strip():
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if local_world is None else local_world
+    where = f"{IDENTITY_ENV}={_short(value)}"
+    if "," in value:
+        names = [n.strip() for n in value.split(",")]
+        if not all(names):
+            raise HeteroError(f"hetero: {where} has an empty name in its list (one name per local rank, "
+                              f"comma-separated)")
+        if len(names) != local_world or not 0 <= local_rank < len(names):
+            raise HeteroError(f"hetero: {where} lists {len(names)} names for the {local_world} worker(s) of this "
+                              f"node (LOCAL_WORLD_SIZE): give one per local rank, or one name holding "
+                              f"{LOCAL_RANK_FIELD}")
+        if len(set(names)) != len(names):
+            raise HeteroError(f"hetero: {where} lists a name twice: every worker needs its own")
+        return names[local_rank]
+    name = value.strip()
+    rest = name.replace(LOCAL_RANK_FIELD, "")
+    if "{" in rest or "}" in rest:
+        raise HeteroError(f"hetero: {where}: the only field a name may hold is {LOCAL_RANK_FIELD}")
+    return name.replace(LOCAL_RANK_FIELD, str(local_rank))
 
 
 def default_identity(device: torch.device) -> str:
-    """This worker's identity: HETERO_WORKER_ID if set, else host and device (GPU UUID, pinned cores, local rank)."""
-    if named := os.environ.get(IDENTITY_ENV, "").strip():  # set per node (agent): its workers add their local rank
-        return named if os.environ.get("LOCAL_WORLD_SIZE", "1") == "1" else f"{named}/local rank " \
-            f"{os.environ.get('LOCAL_RANK', '0')}"
+    """This worker's identity: HETERO_WORKER_ID if set (named_identity), else host and device (GPU UUID, pinned
+    cores, local rank)."""
+    try:
+        named = named_identity()
+    except HeteroError as e:  # the other ranks may be named well and already wait in the gather: tell them
+        post(str(e))
+        raise
+    if named:
+        return named
     host = socket.gethostname()
     if device.type == "cuda":
         from .memory import gpu_identity

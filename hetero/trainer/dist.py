@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..core.agree import LOCAL_RANK_FIELD, named_identity
 from ..core.memory import gpu_identity  # noqa: F401 - setup uses it; tests import it here
 from .config import ConfigError
 
@@ -85,6 +86,7 @@ class Place:
     device: str   # resolved: "cpu" or "cuda:K"
     gpu: str      # gpu_identity of its GPU; "" on the CPU
     gpus: int     # GPUs this rank's host shows it
+    worker: str = ""  # the name HETERO_WORKER_ID gives it ("": none; its identity is then host and device)
 
 
 def shared_gpu_groups(places: list[Place]) -> list[list[int]]:
@@ -125,6 +127,20 @@ def choose_backend(places: list[Place], backend: str) -> tuple[str, str]:
     return backend, ""
 
 
+def duplicate_worker(places: list[Place]) -> str:
+    """The line for two ranks that one HETERO_WORKER_ID names alike ("" when every given name is unique): the
+    balancer would mix up their estimates, so the run is refused before the process group."""
+    seen: dict[str, int] = {}
+    for r, p in enumerate(places):
+        if p.worker and p.worker in seen:
+            q = seen[p.worker]
+            return (f"ranks {q} and {r} are both worker {p.worker!r} (HETERO_WORKER_ID on {places[q].host} and "
+                    f"{p.host}): give each worker its own name; an agent with several workers takes one per local "
+                    f"rank (a,b,...) or a name holding {LOCAL_RANK_FIELD}")
+        seen[p.worker] = r
+    return ""
+
+
 def exchange_places(store: dist.Store, rank: int, world: int, own: Place) -> list[Place]:
     """Every rank's Place, through torchrun's store (before the process group exists)."""
     store.set(f"place/{rank}", json.dumps(own.__dict__))
@@ -150,8 +166,10 @@ def setup(devices: list[str], backend: str, timeout_s: float) -> World:
         store = dist.PrefixStore(f"hetero/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
     cuda = dev.type == "cuda"
     own = Place(socket.gethostname(), str(dev), gpu_identity(torch.cuda.get_device_properties(dev), dev.index)
-                if cuda else "", torch.cuda.device_count() if cuda else 0)
+                if cuda else "", torch.cuda.device_count() if cuda else 0, named_identity() or "")
     places = exchange_places(store, rank, world, own)
+    if why := duplicate_worker(places):  # the same on every rank: one line each, exit 2
+        raise ConfigError(why)
     try:
         backend, note = choose_backend(places, backend)
     except ValueError as e:  # every rank raises alike: one line (rank 0's), exit 2

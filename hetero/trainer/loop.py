@@ -252,6 +252,7 @@ class Trainer:
         # the running epoch's part saved by a step checkpoint (--checkpoint-every): where it goes on and what ran
         self.partial: dict | None = None
         self.saved_step = 0  # steps of epoch saved_epoch + 1 in the checkpoint
+        self.first_step_time: float | None = None  # Unix time (s) at the end of this process's first step
         self.resumed_from: dict | None = None  # the checkpoint's world: its identities, epoch and step
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------
@@ -336,6 +337,8 @@ class Trainer:
                                             torch.full_like(first_bad, step), first_bad)
             if bar is not None:
                 bar.update(1)
+            if self.first_step_time is None:  # a restart's recovery ends here (make bench: recovery)
+                self.first_step_time = time.time()
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < plan.steps:
                 part = self._step_checkpoint(epoch, step + 1, start, part, sums, first_bad, t0)
                 start, t0 = step + 1, time.perf_counter()  # the next segment of the epoch
@@ -467,7 +470,7 @@ class Trainer:
         h = [r for r in self.history if r.epoch <= self.saved_epoch]
         return {"status": status, "error": error, "scheme": self.cfg.scheme, "model": self.cfg.model,
                 "hetero": self.cfg.hetero, "world_size": self.world.size, "epochs_completed": self.saved_epoch,
-                "checkpoint_step": self.saved_step,
+                "checkpoint_step": self.saved_step, "first_step_time": self.first_step_time,
                 "epochs": self.cfg.epochs, "train_time_s": self.train_time_s,
                 "final_test_top1": h[-1].test_top1 if h else None,
                 "best_test_top1": max(r.test_top1 for r in h) if h else None,

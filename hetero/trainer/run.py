@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import hashlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -28,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..core import safeio
-from ..core.agree import HeteroError, remap_identities
+from ..core.agree import HeteroError, named_identity, remap_identities
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, default_run_dir, shown
 from .data import DataError, load_data
@@ -163,6 +165,15 @@ def same_torchrun_run(run_dir: Path, run_id: str) -> bool:
         return False
 
 
+def run_id_folder(run_id: str) -> str:
+    """A folder name for torchrun's run id, one per id: the id itself when it is a plain name, else its plain
+    characters and a digest of the whole id (two ids that share a prefix never share a folder)."""
+    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run_id):
+        return run_id
+    plain = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:40].lstrip("._-")
+    return f"{plain}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
+
+
 def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
     """The run folder and whether to resume: explicit, or after a torchrun restart the same one again."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -170,7 +181,7 @@ def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
     run_dir = cfg.resume or cfg.run_dir
     if not run_dir:
         if run_id and run_id != "none":  # stable over torchrun restarts and the same on every node
-            run_dir = str(Path("runs") / f"{cfg.model}-{cfg.scheme}-{run_id[:12]}")
+            run_dir = str(Path("runs") / f"{cfg.model}-{cfg.scheme}-{run_id_folder(run_id)}")
         else:
             run_dir = str(default_run_dir(cfg, datetime.now().strftime("%Y%m%d-%H%M%S")))
     has_checkpoint = (Path(run_dir) / "checkpoint.pt").exists()
@@ -197,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         check_launch(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
                      os.environ.get("RDZV_ENDPOINT"))
         cfg, ns = parse_args(argv)
+        try:
+            named_identity()  # HETERO_WORKER_ID's form (a list, a template), before anything starts
+        except HeteroError as e:
+            raise ConfigError(str(e).removeprefix("hetero: ")) from None
         if cfg.resume:  # continue with the recorded configuration
             cfg = resumed_config(cfg, ns.given, world_size)
         given_resume = bool(cfg.resume)

@@ -67,7 +67,13 @@ def test_bench_quickest(tmp_path):
     hf = importlib.util.find_spec("transformers") is not None  # the [hf] extra: its part runs, or is noted
     if hf:
         assert res["hf"]["ratio"] > 0 and len(res["hf"]["pair_ratios"]) == 1
-    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api", *["hf"] * hf}
+    rec = res["recovery"]  # one two-agent run that loses a node: the survivor's first new step, after the kill
+    assert rec["kills"] == 1 and len(rec["runs"]) == 1 and rec["torchrun_args"][0].startswith("--rdzv-conf=")
+    run = rec["runs"][0]
+    assert 0 < run["notice"] <= run["rendezvous"] <= run["start"] <= run["first_step"] and run["import_s"] > 0
+    assert "Recovery under torchrun" in (out / "table.md").read_text()
+    assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api", "lost",
+                                                               *["hf"] * hf}
     assert (r["affinity"] == "") == (len(os.sched_getaffinity(0)) >= 2)  # pinned only when oversubscribed
 
 

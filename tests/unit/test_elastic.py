@@ -101,12 +101,101 @@ def test_default_identity_is_the_given_name_else_host_and_device(monkeypatch):
     monkeypatch.setenv("HETERO_WORKER_ID", "spot-7")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert default_identity(torch.device("cpu")) == "spot-7"
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a node's agent named, with two workers
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # the same name on another local rank is the same worker
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert default_identity(torch.device("cpu")) == "spot-7/local rank 1"
+    assert default_identity(torch.device("cpu")) == "spot-7"
     monkeypatch.delenv("HETERO_WORKER_ID")
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0}, raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     assert default_identity(torch.device("cpu")) == f"{socket.gethostname()}/cpu cores 0"
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert default_identity(torch.device("cpu")) == f"{socket.gethostname()}/cpu local rank 1"  # unpinned
+
+
+def test_one_agent_names_its_workers_by_a_list_or_a_template():
+    from hetero.core.agree import HeteroError, named_identity
+
+    assert named_identity("spot-7", 3, 4) == "spot-7"  # as written, whatever the local rank
+    assert [named_identity("a100, v100 ,t4", r, 3) for r in range(3)] == ["a100", "v100", "t4"]
+    assert [named_identity("node7/gpu{local_rank}", r, 2) for r in range(2)] == ["node7/gpu0", "node7/gpu1"]
+    assert named_identity("  ", 0, 1) is None
+    for value, why in (("a,b", "lists 2 names for the 3 worker"), ("a,,c", "an empty name"),
+                       ("a,a,b", "a name twice"), ("n{rank}", "the only field")):
+        with pytest.raises(HeteroError, match=why) as e:
+            named_identity(value, 0, 3)
+        assert str(e.value).startswith("hetero: ") and "\n" not in str(e.value)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank in this process (a Balance's attach gathers identities over it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_balance_takes_its_worker_id_over_the_environment_and_the_environment_over_the_device(monkeypatch):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hetero.core.agree import HeteroError
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("HETERO_WORKER_ID", "fast,slow")
+
+    def attached(**kw) -> Balance:
+        bal = Balance(global_batch=8, scheme="edp", **kw)
+        bal.attach(DDP(torch.nn.Linear(2, 2)))
+        return bal
+    assert attached().identities == ["slow"]                      # the environment's name for local rank 1
+    assert attached(worker_id="mine").identities == ["mine"]      # the library's argument comes first
+    monkeypatch.setenv("HETERO_WORKER_ID", "slow")                # a name of its own (srun sets it per process)
+    assert attached().identities == ["slow"]
+    monkeypatch.setenv("HETERO_WORKER_ID", "a,b,c")
+    with pytest.raises(HeteroError, match="lists 3 names for the 2 worker"):
+        attached()
+
+
+def test_torchrun_run_ids_that_share_a_prefix_get_folders_of_their_own(monkeypatch):
+    from hetero.trainer.cli import parse_args
+    from hetero.trainer.run import resolve_run_dir, run_id_folder
+
+    cfg, _ = parse_args(["--model", "tiny", "--data", "synthetic"])
+    folders = set()
+    for run_id in ("experiment-2026-12-01-a", "experiment-2026-12-01-b"):  # the first 12 characters alike
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        got, resume = resolve_run_dir(cfg)
+        assert not resume and got.run_dir == f"runs/tiny-edp-{run_id}"
+        folders.add(got.run_dir)
+    assert len(folders) == 2
+    odd = [run_id_folder(r) for r in ("a/b", "a_b", "../..", "x" * 300, "x" * 301)]
+    assert len(set(odd)) == len(odd) and not any("/" in f or f.startswith(".") or len(f) > 100 for f in odd)
+
+
+def test_a_malformed_or_duplicate_worker_name_is_one_line_before_the_process_group(monkeypatch, capsys):
+    from hetero.trainer.dist import Place, duplicate_worker
+
+    from helpers import SMALL, assert_one_line, check
+
+    monkeypatch.setenv("HETERO_WORKER_ID", "a,b")  # two names, one worker on this node
+    rc, err = check(SMALL, monkeypatch, capsys)
+    assert_one_line(rc, err, "HETERO_WORKER_ID=\"a,b\" lists 2 names for the 1 worker(s) of this node")
+    places = [Place("h1", "cpu", "", 0, "spot"), Place("h2", "cpu", "", 0, ""), Place("h3", "cpu", "", 0, "spot")]
+    assert "ranks 0 and 2 are both worker 'spot' (HETERO_WORKER_ID on h1 and h3)" in duplicate_worker(places)
+    assert duplicate_worker(places[:2]) == "" and duplicate_worker([Place("h", "cpu", "", 0)] * 2) == ""
+
+
+def test_make_experiment_passes_the_agent_settings_the_bench_measures():
+    from hetero.lab.launch import ROOT
+    from hetero.lab.recovery import AGENT
+
+    make = (ROOT / "Makefile").read_text()
+    conf, monitor = AGENT.torchrun_args()
+    assert f"RDZV_CONF := {conf.removeprefix('--rdzv-conf=')}\n" in make
+    assert f"--rdzv-conf=$(RDZV_CONF) {monitor}\n" in make

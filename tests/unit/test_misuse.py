@@ -5,6 +5,7 @@ processes started by torch.multiprocessing.spawn; each rank writes what it saw t
 Here the cases in one process; those that launch processes: tests/integration/test_misuse_launch.py."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,3 +61,59 @@ def test_bad_library_arguments_are_one_clear_line(monkeypatch, kw, match):
         args = {"global_batch": 32, **kw}
         spec = args.pop("hetero", "")  # the emulation grammar, plugged in with bal.emulate
         hetero.Balance(**args).emulate(spec)
+
+
+def test_a_loop_that_never_calls_set_epoch_is_refused_at_its_second_epoch():
+    """#36 item 3: it ran epoch 0's steps, then silently none in the epochs after."""
+    bal = hetero.Balance(global_batch=8)
+    sampler = bal.batch_sampler(32)
+    assert len(list(sampler)) == 4
+    for _ in range(4):
+        with bal.step():
+            pass
+    with pytest.raises(hetero.HeteroError, match="iterated again: call bal.set_epoch"):
+        list(sampler)
+
+
+def test_a_plain_dataloader_is_refused_before_its_first_step():
+    """#36 item 3: batches not handed out by hetero's sampler (the epoch length given, the loader a plain one)."""
+    bal = hetero.Balance(global_batch=8)
+    bal.batch_sampler(32)
+    bal.set_epoch(0)
+    with pytest.raises(hetero.HeteroError, match="not handed out by hetero's sampler"):
+        with bal.step():
+            pass
+    assert bal.global_step == 0
+
+
+def test_a_second_attach_is_refused_in_one_line(monkeypatch):
+    """#36 item 7: a second bal.attach went on and the first step stopped with a misleading line."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hetero.lab.launch import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        bal = hetero.Balance(global_batch=8)
+        bal.attach(DDP(torch.nn.Linear(2, 2)))
+        with pytest.raises(hetero.HeteroError, match="attached already"):
+            bal.attach(DDP(torch.nn.Linear(2, 2)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_replay_in_a_loop_without_epochs_needs_no_rebalance_interval(monkeypatch):
+    """#36 item 7: rebalance_every=0 was refused under bal.replay, where no decision is ever made."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bal = hetero.Balance(global_batch=8, scheme="edp")
+    bal.replay({0: np.array([[6, 2]] * 5)})
+    for _ in range(5):
+        with bal.step():
+            pass
+    assert bal.last_sizes == [6, 2] and bal.decisions == []

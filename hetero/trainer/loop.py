@@ -26,12 +26,13 @@ from ..core.balance import Balance
 from ..core.emulator import within
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
+from .checkpoint import balance_position, balance_world
 from .config import Config, ConfigError, shown
 from .data import DataSet, DeviceLoader
 from .dist import World, average_buffers, wrap_ddp
 from .models import build_model
 from .resume import relay_cosine
-from .runlog import RunFolder
+from .runfolder import RunFolder
 
 
 class TrainingError(RuntimeError):
@@ -127,18 +128,28 @@ def limits_text(limits: list[float] | None, world: int) -> str:
     return ",".join("-" if v == float("inf") else str(int(v)) for v in (limits or [float("inf")] * world))
 
 
-def check_checkpoint(cfg: Config, world_size: int, n_classes: int, state: dict, path: Path) -> None:
+def check_checkpoint(cfg: Config, world_size: int, n_classes: int, steps_per_epoch: int, state: dict,
+                     path: Path) -> None:
     """Trainer.load_state_dict tried on CPU stand-ins (model, optimiser, schedule, Balance) before any process group:
     a checkpoint of plain data but the wrong content (tensor shapes, model={}, history="abc", a bad RNG or balancer
-    state, epoch=True or 10**18) is one ConfigError here, not a traceback on every rank after the group starts."""
+    state, epoch=True or 10**18, a step checkpoint's position outside its epoch of steps_per_epoch steps) is one
+    ConfigError here, not a traceback on every rank after the group starts."""
     where = f"cannot resume: {path} does not fit this run"
-    epoch, step = state.get("epoch"), state.get("global_step")
-    lowest = 0 if state.get("partial") is not None else 1  # a step checkpoint may come before any epoch's end
+    epoch, part = state.get("epoch"), state.get("partial")
+    lowest = 0 if part is not None else 1  # a step checkpoint may come before any epoch's end
     if not (type(epoch) is int and lowest <= epoch <= cfg.epochs - (1 - lowest)):
         raise ConfigError(f"{where}: its epoch {shown(epoch)} is not a whole number in {lowest}.."
                           f"{cfg.epochs - (1 - lowest)} (--epochs)")
-    if state.get("partial") is not None and not isinstance(state["partial"], dict):
-        raise ConfigError(f"{where}: its partial epoch {shown(state['partial'])} is not a step checkpoint's record")
+    if part is not None:
+        if not isinstance(part, dict):
+            raise ConfigError(f"{where}: its partial epoch {shown(part)} is not a step checkpoint's record")
+        _check_position(part, epoch, steps_per_epoch, where)
+    b_epoch, b_step = balance_position(state["balance"])
+    if (b_epoch, b_step) != ((part["epoch"], part["step"]) if part is not None else (epoch, 0)):
+        raise ConfigError(f"{where}: its balance state is at epoch {shown(b_epoch)} step {shown(b_step)}, the "
+                          f"checkpoint at " + (f"epoch {part['epoch']} step {part['step']}" if part is not None else
+                                               f"the end of epoch {epoch}"))
+    step = state["balance"].get("global_step")
     if not (type(step) is int and 0 <= step <= 2**62):
         raise ConfigError(f"{where}: its global_step {shown(step)} is not a whole number >= 0")
     t = state.get("train_time_s")
@@ -169,6 +180,25 @@ def check_checkpoint(cfg: Config, world_size: int, n_classes: int, state: dict, 
     finally:
         torch.set_rng_state(torch_rng)
         np.random.set_state(numpy_rng)
+
+
+def _check_position(part: dict, epoch: int, steps_per_epoch: int, where: str) -> None:
+    """A step checkpoint's position: `step` steps of epoch `epoch` + 1 ran, 0 < step < steps_per_epoch, and its
+    segments record exactly steps 0..step-1 (a moved step would skip or repeat samples)."""
+    at, step = part.get("epoch"), part.get("step")
+    if not (type(step) is int and 0 < step < steps_per_epoch and at == epoch + 1):
+        raise ConfigError(f"{where}: its step checkpoint is at epoch {shown(at)} step {shown(step)} after {epoch} "
+                          f"completed epoch(s); an epoch of this run has {steps_per_epoch} steps (the data's samples "
+                          f"// --global-batch), so it must be epoch {epoch + 1}, step 1..{steps_per_epoch - 1}")
+    segments = part.get("segments")
+    try:
+        firsts = [(int(g["first_step"]), len(g["sizes"])) for g in segments]
+    except (TypeError, KeyError, ValueError):
+        firsts = None
+    if firsts is None or [f for f, _ in firsts] != list(np.cumsum([0] + [n for _, n in firsts])[:-1]) \
+            or sum(n for _, n in firsts) != step:
+        raise ConfigError(f"{where}: its step checkpoint at step {step} does not record steps 0..{step - 1} of its "
+                          f"epoch (segments {shown(firsts)})")
 
 
 class _StandIn:
@@ -255,17 +285,23 @@ class Trainer:
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------
     def state_dict(self, partial: dict | None = None) -> dict:
-        """epoch: the epochs completed; partial (a step checkpoint): the running epoch's steps so far, its metric
-        totals, time and every rank's augmentation RNG; identities: every rank's worker (Balance.identities)."""
+        """Collective (every rank, between steps; rank 0 saves it). epoch: the epochs completed; balance: the
+        Balance's own state_dict (its position: `step` steps of its `epoch`); partial (a step checkpoint): the running
+        epoch's steps so far, its metric totals, time and every rank's augmentation RNG and batch-norm buffers."""
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict(), "balancer": self.balance.balancer.state_dict(),
+                "scheduler": self.sched.state_dict(), "balance": self._balance_state(),
                 "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed}, "epoch": self.epoch,
-                "train_time_s": self.train_time_s, "global_step": self.balance.global_step,
-                "history": [asdict(r) for r in self.history], "identities": self.balance.identities,
-                "partial": partial,
+                "train_time_s": self.train_time_s, "history": [asdict(r) for r in self.history], "partial": partial,
                 "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_plain(np.random.get_state())}}
 
+    def _balance_state(self) -> dict:
+        """Collective: Balance.state_dict(). observe_now() first, so that a mid-epoch state keeps its position and
+        the steps since the last decision (the one place the trainer takes the Balance's state)."""
+        self.balance.observe_now()
+        return self.balance.state_dict()
+
     def load_state_dict(self, s: dict) -> None:
+        """A checkpoint in the current layout (runfolder.RunFolder.load_trainer_checkpoint, check_checkpoint)."""
         self.model.load_state_dict(s["model"])
         self.opt.load_state_dict(s["optimizer"])
         self.sched.load_state_dict(s["scheduler"])
@@ -273,20 +309,13 @@ class Trainer:
             relay_cosine(self.opt, self.sched, s["epoch"], self.cfg.epochs)
         part = s.get("partial")
         if part is not None:
-            if not (type(part.get("step")) is int and part["step"] >= 1 and part.get("epoch") == s["epoch"] + 1):
-                raise ValueError(f"a step checkpoint of epoch {shown(part.get('epoch'))} step "
-                                 f"{shown(part.get('step'))} after {s['epoch']} completed epochs")
             [Segment.of(g) for g in part["segments"]]  # noqa: B018 - a malformed record fails here, not at the end
-        self.balance.load_state_dict({"balancer": s["balancer"], "global_step": s["global_step"],
-                                      "identities": s.get("identities"),
-                                      **({"epoch": part["epoch"], "step": part["step"]} if part else
-                                         {"epoch": s["epoch"], "step": 0})})
+        self.balance.load_state_dict(s["balance"])
         self.epoch, self.train_time_s = s["epoch"], s["train_time_s"]
         self.saved_epoch, self.partial = self.epoch, part
         self.saved_step = part["step"] if part else 0
-        ids = s.get("identities")
-        self.resumed_from = {"identities": ids, "world": len(ids) if ids else len(s["balancer"]["shares"]),
-                             "epoch": self.epoch, "step": self.saved_step}
+        ids, world = balance_world(s["balance"])
+        self.resumed_from = {"identities": ids, "world": world, "epoch": self.epoch, "step": self.saved_step}
         self.history = [EpochRow(**r) for r in s["history"]]
         torch.set_rng_state(s["rng"]["torch"])
         name, keys, pos, has_gauss, cached = s["rng"]["numpy"]
@@ -377,7 +406,6 @@ class Trainer:
         checkpoint holds the partial epoch; its rows go to the tables when the epoch ends."""
         w, bal = self.world, self.balance
         self._check_finite(epoch, first_bad)
-        bal.observe_now()  # the steps since the last decision go into the balancer's state
         segments, totals, train_s = self._gathered(start, None, sums, t0)
         loaders, buffers = [None] * w.size, [None] * w.size
         dist.all_gather_object(loaders, self.train_loader.gen.get_state().cpu())
@@ -386,8 +414,10 @@ class Trainer:
                "segments": (part["segments"] if part else []) + [g.plain() for g in segments],
                "totals": (np.asarray(part["totals"], float) + totals if part else totals).tolist(),
                "train_s": train_s + (part["train_s"] if part else 0.0)}
+        state = self.state_dict(new)  # collective
         if w.is_main:
-            self.folder.save_checkpoint(self.state_dict(new))
+            self.folder.save_checkpoint(state)
+        del state
         self.saved_step = step
         if w.is_main:
             self.folder.write_json("summary.json", self.summary("running"))
@@ -416,8 +446,10 @@ class Trainer:
             self.sched.step()
             self.epoch, self.train_time_s = epoch, self.train_time_s + r.train_s
             row = self._record(epoch, r, ev, eval_s, lr)
+            state = self.state_dict()  # collective
             if w.is_main:
-                self.folder.save_checkpoint(self.state_dict())
+                self.folder.save_checkpoint(state)
+            del state
             self.saved_epoch, self.saved_step = epoch, 0  # rank 0 saved it (else it raised: a summary claims less)
             if w.is_main:
                 self.folder.write_json("summary.json", self.summary("running"))

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-import hetero.trainer.runlog as runlog
+import hetero.trainer.runfolder as runfolder
 from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
 
 from helpers import ROOT, SMALL, _env, assert_one_line, check, image_folder, run_make
@@ -70,7 +70,7 @@ def done_run(tmp_path_factory) -> Path:
 def _copy(run: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(run, dst)
-    (dst / runlog.LOCK).unlink(missing_ok=True)
+    (dst / runfolder.LOCK).unlink(missing_ok=True)
     return dst
 
 
@@ -186,15 +186,15 @@ def test_a_stopped_worker_dies_with_its_launcher_and_frees_the_folder(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.2)
         (worker,) = [p for p in launch_pids(marker) if p != proc.pid]
-        assert runlog.is_busy(run)
+        assert runfolder.is_busy(run)
         os.kill(worker, signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 15  # the kernel's SIGKILL is at once; exiting a big process takes a moment
         while (psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE
-               or runlog.is_busy(run)) and time.monotonic() < deadline:
+               or runfolder.is_busy(run)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not launch_pids(marker) and not runlog.is_busy(run)
+        assert not launch_pids(marker) and not runfolder.is_busy(run)
     finally:
         for pid in launch_pids(marker):
             os.kill(pid, signal.SIGKILL)

@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-import hetero.trainer.runlog as runlog
+import hetero.trainer.runfolder as runfolder
 from hetero.core import safeio
 from hetero.lab import analysis
 from hetero.lab import grid as hg
@@ -137,14 +137,14 @@ def test_safe_writes_replace_a_planted_link(tmp_path):
     victim = _victim(tmp_path)
     for name, write in (("out", lambda p: safeio.write_text(p, "new")),
                         ("summary.csv", lambda p: analysis.save_table(pd.DataFrame({"a": [1]}), p)),
-                        ("checkpoint.pt", lambda p: runlog.RunFolder(p.parent).save_checkpoint({"x": torch.ones(2)}))):
+                        ("checkpoint.pt", lambda p: runfolder.RunFolder(p.parent).save_checkpoint({"x": torch.ones(2)}))):
         target = tmp_path / name
         target.symlink_to(victim)
         write(target)
         assert victim.read_text() == VICTIM and not target.is_symlink()
-    with pytest.raises(runlog.DiskError, match="is a symbolic link"):
+    with pytest.raises(runfolder.DiskError, match="is a symbolic link"):
         (tmp_path / "steps.csv").symlink_to(victim)
-        runlog.RunFolder(tmp_path).append("steps", [{"a": 1}])
+        runfolder.RunFolder(tmp_path).append("steps", [{"a": 1}])
     assert victim.read_text() == VICTIM
 
 
@@ -294,7 +294,7 @@ def test_disk_full_inside_torch_save_says_disk_full(tmp_path, monkeypatch, capsy
     def save(obj, fh):  # the second checkpoint's file runs out of room half-way
         saves.append(1)
         return real_save(obj, Full(fh) if len(saves) == 2 else fh)
-    monkeypatch.setattr(runlog.torch, "save", save)
+    monkeypatch.setattr(runfolder.torch, "save", save)
     term = signal.getsignal(signal.SIGTERM)
     try:
         rc, err = check([*SMALL, "--epochs", "3", "--run-dir", str(run)], monkeypatch, capsys, check_only=False)

@@ -109,22 +109,16 @@ def test_a_link_at_the_lock_or_config_is_refused_and_the_target_untouched(tmp_pa
 
 
 def test_links_planted_at_every_run_file_leave_their_targets_untouched(tmp_path, monkeypatch, capsys):
-    """One real run (one process) into a folder with links at each file it writes: each is replaced or refused."""
+    """A link at any file the trainer writes (replaced or appended) is refused by name before the run (issue 36:
+    the trainer never makes links in a run folder), and its target stays untouched."""
     victim = _victim(tmp_path)
-    run = tmp_path / "run"
-    run.mkdir()
-    names = ["summary.json", "checkpoint.pt"]  # replaced (atomic writes) ...
-    for name in names:
+    for name in ("summary.json", "checkpoint.pt", "epochs.csv", "membership.csv"):
+        run = tmp_path / f"run-{name}"
+        run.mkdir()
         (run / name).symlink_to(victim)
-    rc, err = check([*SMALL, "--epochs", "1", "--run-dir", str(run)], monkeypatch, capsys, check_only=False)
-    assert rc == 0, err
-    assert victim.read_text() == VICTIM and not any((run / n).is_symlink() for n in names)
-    run2 = tmp_path / "run2"
-    run2.mkdir()
-    (run2 / "epochs.csv").symlink_to(victim)  # ... and an appended table (epochs, ranks, steps) refused by name
-    assert_one_line(*check([*SMALL, "--epochs", "1", "--run-dir", str(run2)], monkeypatch, capsys, check_only=False),
-                    "epochs.csv is a symbolic link")
-    assert victim.read_text() == VICTIM
+        assert_one_line(*check([*SMALL, "--epochs", "1", "--run-dir", str(run)], monkeypatch, capsys,
+                               check_only=False), f"its {name} is a symbolic link")
+        assert victim.read_text() == VICTIM and (run / name).is_symlink()
 
 
 def test_a_run_dir_that_is_a_link_to_a_folder_is_fine(tmp_path, monkeypatch, capsys):

@@ -103,6 +103,10 @@ def read_config(folder: Path) -> dict[str, Any]:
     """config.json of a run: {"config": {...}, "world_size": n, ...}; ConfigError in one line if it is missing,
     unreadable, or not a record of a run."""
     where, path = f"cannot resume {folder}", folder / CONFIG
+    try:
+        _regular_or_absent(folder, CONFIG)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     if not path.is_file():
         raise ConfigError(f"{where}: it holds no {CONFIG}")
     try:

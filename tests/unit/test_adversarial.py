@@ -131,7 +131,8 @@ def test_safe_writes_replace_a_planted_link(tmp_path):
     victim = _victim(tmp_path)
     for name, write in (("out", lambda p: safeio.write_text(p, "new")),
                         ("summary.csv", lambda p: analysis.save_table(pd.DataFrame({"a": [1]}), p)),
-                        ("checkpoint.pt", lambda p: runfolder.RunFolder(p.parent).save_checkpoint({"x": torch.ones(2)}))):
+                        ("checkpoint.pt",
+                         lambda p: runfolder.RunFolder(p.parent).save_checkpoint({"x": torch.ones(2)}))):
         target = tmp_path / name
         target.symlink_to(victim)
         write(target)

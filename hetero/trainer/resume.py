@@ -22,12 +22,13 @@ PER_RANK = ("device", "threads", "affinity", "max_batch")
 FOLDER = ("resume", "run_dir", "overwrite")  # where the run is, not what it computes
 
 
-def resumed_config(cfg: Config, given: set[str], world_size: int, run_id: str = "") -> Config:
+def resumed_config(cfg: Config, given: set[str], world_size: int, rejoined: str = "") -> Config:
     """The Config recorded in the --resume folder, with the resumable flags given on this command line; every
     problem (unreadable or foreign config.json, a per-rank list or emulated rank that does not fit another world
-    size, a changed flag) is a ConfigError. run_id: the folder was found by this torchrun run id, not --resume."""
+    size, a changed flag) is a ConfigError. rejoined: how a torchrun job found the folder instead of --resume (its
+    world may then change as torchrun's elastic rules allow: Config.check_world)."""
     folder = Path(cfg.resume)
-    where = f"cannot resume {folder}" + (f" (the folder of torchrun's run id {run_id!r})" if run_id else "")
+    where = f"cannot resume {folder}" + (f" ({rejoined})" if rejoined else "")
     meta = read_config(folder)
     saved = meta["config"]
     defaults = {f.name: f.default for f in fields(Config)}
@@ -45,8 +46,8 @@ def resumed_config(cfg: Config, given: set[str], world_size: int, run_id: str = 
         raise ConfigError(f"{where} with another " + ", ".join(f"--{n.replace('_', '-')} (recorded "
                           f"{recorded[n]!r})" for n in changed) + ": a resumed run keeps its configuration; only "
                           + ", ".join(f"--{n.replace('_', '-')}" for n in RESUMABLE) + " may change"
-                          + (" (another --rdzv-id or --run-dir starts a new run)" if run_id else ""))
-    if ran != world_size:  # another world: what was set per rank must be said anew, or be one value for all
+                          + (" (another --rdzv-id or --run-dir starts a new run)" if rejoined else ""))
+    if ran != world_size and not rejoined:  # another world: what was set per rank is said anew, or one value
         for n in PER_RANK:
             listed = str(recorded[n]).split(",") if recorded[n] else []
             if n not in given and len(listed) > 1:
@@ -73,7 +74,8 @@ def rejoined_config(cfg: Config, world_size: int, run_id: str) -> Config:
     """The run a torchrun job continues by its run id (a restart, or a new job given the same --rdzv-id): every
     setting of this command line (given or default) is held to the record exactly as --resume holds a given one."""
     every = {f.name for f in fields(Config)} - set(FOLDER)
-    return resumed_config(dataclasses.replace(cfg, resume=cfg.run_dir), every, world_size, run_id)
+    how = f"the folder of torchrun's run id {run_id!r}" if run_id and run_id != "none" else "a torchrun restart"
+    return resumed_config(dataclasses.replace(cfg, resume=cfg.run_dir), every, world_size, how)
 
 
 def relay_cosine(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.CosineAnnealingLR, done: int,

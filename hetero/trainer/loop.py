@@ -26,8 +26,8 @@ from ..core.balance import Balance
 from ..core.emulator import within
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
-from .checkpoint import balance_position, balance_world
-from .config import Config, ConfigError, shown
+from .checkpoint import balance_world
+from .config import Config
 from .data import DataSet, DeviceLoader
 from .dist import World, average_buffers, wrap_ddp
 from .models import build_model
@@ -126,91 +126,6 @@ def evaluate(model: torch.nn.Module, loader: DeviceLoader, batch: int) -> torch.
 def limits_text(limits: list[float] | None, world: int) -> str:
     """Per-rank maximum batch sizes as "512,-" ('-': no limit)."""
     return ",".join("-" if v == float("inf") else str(int(v)) for v in (limits or [float("inf")] * world))
-
-
-def check_checkpoint(cfg: Config, world_size: int, n_classes: int, steps_per_epoch: int, state: dict,
-                     path: Path) -> None:
-    """Trainer.load_state_dict tried on CPU stand-ins (model, optimiser, schedule, Balance) before any process group:
-    a checkpoint of plain data but the wrong content (tensor shapes, model={}, history="abc", a bad RNG or balancer
-    state, epoch=True or 10**18, a step checkpoint's position outside its epoch of steps_per_epoch steps) is one
-    ConfigError here, not a traceback on every rank after the group starts."""
-    where = f"cannot resume: {path} does not fit this run"
-    epoch, part = state.get("epoch"), state.get("partial")
-    lowest = 0 if part is not None else 1  # a step checkpoint may come before any epoch's end
-    if not (type(epoch) is int and lowest <= epoch <= cfg.epochs - (1 - lowest)):
-        raise ConfigError(f"{where}: its epoch {shown(epoch)} is not a whole number in {lowest}.."
-                          f"{cfg.epochs - (1 - lowest)} (--epochs)")
-    if part is not None:
-        if not isinstance(part, dict):
-            raise ConfigError(f"{where}: its partial epoch {shown(part)} is not a step checkpoint's record")
-        _check_position(part, epoch, steps_per_epoch, where)
-    b_epoch, b_step = balance_position(state["balance"])
-    if (b_epoch, b_step) != ((part["epoch"], part["step"]) if part is not None else (epoch, 0)):
-        raise ConfigError(f"{where}: its balance state is at epoch {shown(b_epoch)} step {shown(b_step)}, the "
-                          f"checkpoint at " + (f"epoch {part['epoch']} step {part['step']}" if part is not None else
-                                               f"the end of epoch {epoch}"))
-    step = state["balance"].get("global_step")
-    if not (type(step) is int and 0 <= step <= 2**62):
-        raise ConfigError(f"{where}: its global_step {shown(step)} is not a whole number >= 0")
-    t = state.get("train_time_s")
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t) and t >= 0):
-        raise ConfigError(f"{where}: its train_time_s {shown(t)} is not a number of seconds")
-    if not (isinstance(state["history"], list) and len(state["history"]) == epoch):
-        raise ConfigError(f"{where}: its history is not a list of its {epoch} epochs (got {shown(state['history'])})")
-    torch_rng, numpy_rng = torch.get_rng_state(), np.random.get_state()  # the stand-ins' init draws from them
-    try:
-        stand_in = _StandIn(cfg, world_size, n_classes)
-        Trainer.load_state_dict(stand_in, state)  # the very reads the run will do
-        for p, st in stand_in.opt.state.items():  # SGD checks these only at its first step
-            buf = st.get("momentum_buffer")
-            if buf is not None and (not isinstance(buf, torch.Tensor) or buf.shape != p.shape):
-                raise ValueError(f"a momentum buffer of shape {tuple(getattr(buf, 'shape', ()))} for a parameter of "
-                                 f"shape {tuple(p.shape)}")
-        b = stand_in.balance.balancer
-        if b.shares.shape != (world_size,) or b.sizes.shape != (world_size,) or not np.all(np.isfinite(b.shares)) \
-                or int(b.sizes.sum()) != cfg.global_batch or np.any(b.sizes < 0):
-            raise ValueError(f"balancer shares {shown(b.shares.tolist())} and sizes {shown(b.sizes.tolist())} are not "
-                             f"{world_size} ranks' splits of the global batch {cfg.global_batch}")
-        if [r.epoch for r in stand_in.history] != list(range(1, epoch + 1)):
-            raise ValueError("its history does not list epochs 1.." + str(epoch))
-    except Exception as e:  # noqa: BLE001 - load_state_dict raises RuntimeError, KeyError, TypeError, ValueError...
-        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-        raise ConfigError(f"{where} (model {cfg.model}, {world_size} rank(s)): {type(e).__name__}"
-                          f"{': ' + shown(line, 160)[1:-1] if line else ''}") from None
-    finally:
-        torch.set_rng_state(torch_rng)
-        np.random.set_state(numpy_rng)
-
-
-def _check_position(part: dict, epoch: int, steps_per_epoch: int, where: str) -> None:
-    """A step checkpoint's position: `step` steps of epoch `epoch` + 1 ran, 0 < step < steps_per_epoch, and its
-    segments record exactly steps 0..step-1 (a moved step would skip or repeat samples)."""
-    at, step = part.get("epoch"), part.get("step")
-    if not (type(step) is int and 0 < step < steps_per_epoch and at == epoch + 1):
-        raise ConfigError(f"{where}: its step checkpoint is at epoch {shown(at)} step {shown(step)} after {epoch} "
-                          f"completed epoch(s); an epoch of this run has {steps_per_epoch} steps (the data's samples "
-                          f"// --global-batch), so it must be epoch {epoch + 1}, step 1..{steps_per_epoch - 1}")
-    segments = part.get("segments")
-    try:
-        firsts = [(int(g["first_step"]), len(g["sizes"])) for g in segments]
-    except (TypeError, KeyError, ValueError):
-        firsts = None
-    if firsts is None or [f for f, _ in firsts] != list(np.cumsum([0] + [n for _, n in firsts])[:-1]) \
-            or sum(n for _, n in firsts) != step:
-        raise ConfigError(f"{where}: its step checkpoint at step {step} does not record steps 0..{step - 1} of its "
-                          f"epoch (segments {shown(firsts)})")
-
-
-class _StandIn:
-    """What Trainer.load_state_dict touches, built on the CPU without a process group (check_checkpoint)."""
-
-    def __init__(self, cfg: Config, world_size: int, n_classes: int):
-        self.cfg = cfg
-        self.model = build_model(cfg.model, n_classes)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                   nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
-        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
-        self.balance = make_balance(cfg, 0, world_size)
 
 
 def make_balance(cfg: Config, rank: int, world_size: int, replay: dict | None = None) -> Balance:

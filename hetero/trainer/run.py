@@ -31,11 +31,12 @@ import torch.distributed as dist
 from ..core import safeio
 from ..core.agree import HeteroError, remap_identities
 from . import runfolder
+from .checkpoint import check_checkpoint
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, shown
 from .data import DataError, DataSet, load_data
 from .dist import World, apply_cpu_budget, env_world, setup, teardown
-from .loop import Trainer, TrainingError, check_checkpoint, evaluate, limits_text  # noqa: F401 - evaluate: part of this API
+from .loop import Trainer, TrainingError, evaluate, limits_text  # noqa: F401 - evaluate: part of this API
 from .provenance import provenance
 from .resume import rejoined_config, resumed_config
 from .runfolder import DiskError, RunFolder, RunLock, claim_run_dir

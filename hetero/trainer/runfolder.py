@@ -224,7 +224,7 @@ def status(path: Path) -> str:
 
 def claim_run_dir(path: Path, resume: bool, overwrite: bool, read: tuple | None = None) -> RunLock:
     """Lock the folder for this job, then refuse one that cannot be written, that already holds a run unless
-    resuming or overwriting, or whose checkpoint is no longer the one this job read (`read`: its file_id) . The
+    resuming or overwriting, or whose checkpoint is no longer the one this job read (`read`: its file_id). The
     caller ran every read-only check first (check_files, the checkpoint), so a refused job changed nothing; the
     holder then removes temporary files a killed job left behind."""
     try:  # really try: permission bits say little to root, and read-only file systems say nothing

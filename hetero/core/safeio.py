@@ -77,8 +77,15 @@ def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
 
 
 def append_open(path: Path) -> IO[str]:
-    """A text file opened for appending, created if missing, never through a link."""
-    return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", newline="")
+    """A text file opened for appending, created if missing, never through a link, never a FIFO (O_NONBLOCK: an
+    open without a reader fails at once instead of blocking) or anything else but a regular file."""
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        os.close(fd)
+        raise UnsafeFile(errno.EINVAL, f"{path} is {file_kind(mode)}, not a regular file: refusing to write it")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", newline="")
 
 
 def temp_name(path: Path) -> Path:

@@ -16,7 +16,7 @@ import pandas as pd
 from ..core import safeio
 from ..core.emulator import parse_hetero
 from ..core.partition import SCHEMES
-from ..trainer.runlog import status as run_status
+from ..trainer.runfolder import status as run_status
 from .launch import from_root
 
 RUN_KEYS = ["run", "model", "hetero", "setting", "scheme", "scheme_label", "seed"]

@@ -20,7 +20,7 @@ from ..core import safeio
 from ..core.partition import SCHEMES
 from ..trainer.cli import CliParser
 from . import efficiency, fsdp_overhead, hfbench, overhead, recovery, simbench
-from .launch import ROOT
+from .launch import root
 from .measure import LaunchError, markdown_table, run_meta
 
 PARTS = ("balance", "overhead", "fsdp", "balancer", "hf", "recovery")
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         suite = replace(base, **over)
     except ValueError as e:
         p.error(str(e))
-    out = Path(ns.out or ROOT / "runs" / "bench" / datetime.now().strftime("%Y%m%d-%H%M%S"))
+    out = Path(ns.out or root() / "runs" / "bench" / datetime.now().strftime("%Y%m%d-%H%M%S"))
     try:
         res = run(suite, out, "python -m hetero.lab.bench " + " ".join(sys.argv[1:] if argv is None else argv))
     except LaunchError as e:

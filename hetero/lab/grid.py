@@ -25,7 +25,7 @@ import pandas as pd
 from ..core import safeio
 from ..trainer.cli import CliParser
 from ..trainer.config import Config
-from ..trainer.runlog import status as run_status
+from ..trainer.runfolder import status as run_status
 from .gridplan import (  # noqa: F401
     COLUMNS,
     GRID_FILES,

@@ -17,15 +17,52 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: runs/, notebooks/ and relative paths start here
+SOURCE = Path(__file__).resolve().parents[2]  # the folder holding this hetero package: a checkout or site-packages
+ROOT_VAR = "HETERO_ROOT"  # an explicit root folder for runs/ (and notebooks/), wherever python starts
 # torchrun sets these for its workers; a launch from inside a worker (or a test) must not inherit them
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 MARKER = "HETERO_LAUNCH_ID"
 
 
+class NoRoot(SystemExit):
+    """No folder to hold runs/: one line and exit status 1 wherever it is raised (a SystemExit prints no traceback,
+    and no `except Exception` swallows it)."""
+
+
+def _is_checkout(folder: Path) -> bool:
+    """A hetero checkout: its pyproject.toml names the project hetero and the package sits beside it."""
+    try:
+        text = (folder / "pyproject.toml").read_text(errors="replace") if (folder / "pyproject.toml").is_file() else ""
+    except OSError:
+        return False
+    return 'name = "hetero"' in text and (folder / "hetero" / "__init__.py").is_file()
+
+
+def root() -> Path:
+    """The folder that runs/, notebooks/ and relative grid paths start from: $HETERO_ROOT if set, else the checkout
+    holding the current folder, else the checkout this package was imported from (not an installed copy's
+    site-packages); NoRoot in one line if there is none."""
+    if given := os.environ.get(ROOT_VAR):
+        if not Path(given).is_dir():
+            raise NoRoot(f"hetero: error: {ROOT_VAR}={given} is not a folder")
+        return Path(given).resolve()
+    here = Path.cwd().resolve()
+    for folder in (here, *here.parents, SOURCE):
+        if _is_checkout(folder):
+            return folder
+    raise NoRoot(f"hetero: error: no hetero checkout holds {here} (nor the package, installed in {SOURCE}): run "
+                 f"from inside a checkout, or set {ROOT_VAR} to the folder that runs/ goes into")
+
+
+def __getattr__(name: str) -> Path:
+    if name == "ROOT":  # the name scripts and notebooks import: resolved when read, not at import
+        return root()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def from_root(path: str | Path) -> Path:
-    """A path as notebooks and grids take it: a relative one is relative to the checkout, wherever python started."""
-    return Path(path) if Path(path).is_absolute() else ROOT / path
+    """A path as notebooks and grids take it: a relative one is relative to root(), wherever python started."""
+    return Path(path) if Path(path).is_absolute() else root() / path
 
 
 def free_port() -> int:
@@ -43,9 +80,10 @@ def torchrun_cmd(nproc: int, args: list[str], module: str = "hetero.trainer") ->
 
 
 def clean_env(extra_path: list[str] | None = None, threads: str | None = None) -> dict[str, str]:
-    """This environment without torchrun's worker variables, with this checkout first on PYTHONPATH."""
+    """This environment without torchrun's worker variables, with this package's folder first on PYTHONPATH (the
+    workers import the same hetero)."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and k != MARKER}
-    env["PYTHONPATH"] = os.pathsep.join([*(extra_path or []), str(ROOT), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([*(extra_path or []), str(SOURCE), env.get("PYTHONPATH", "")])
     if threads is not None:
         env["OMP_NUM_THREADS"] = threads
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's own default, set so that it prints no banner about it
@@ -57,7 +95,7 @@ def run_logged(cmd: list[str], log: IO, timeout_s: float, env: dict[str, str] | 
     every process of the launch was stopped (stop_launch). An interrupt stops them too."""
     marker = uuid.uuid4().hex
     env = {**(env or clean_env()), MARKER: marker}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=root(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

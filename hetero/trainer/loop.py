@@ -26,12 +26,13 @@ from ..core.balance import Balance
 from ..core.emulator import within
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
-from .config import Config, ConfigError, shown
+from .checkpoint import balance_world
+from .config import Config
 from .data import DataSet, DeviceLoader
 from .dist import World, average_buffers, wrap_ddp
 from .models import build_model
 from .resume import relay_cosine
-from .runlog import RunFolder
+from .runfolder import RunFolder
 
 
 class TrainingError(RuntimeError):
@@ -127,62 +128,6 @@ def limits_text(limits: list[float] | None, world: int) -> str:
     return ",".join("-" if v == float("inf") else str(int(v)) for v in (limits or [float("inf")] * world))
 
 
-def check_checkpoint(cfg: Config, world_size: int, n_classes: int, state: dict, path: Path) -> None:
-    """Trainer.load_state_dict tried on CPU stand-ins (model, optimiser, schedule, Balance) before any process group:
-    a checkpoint of plain data but the wrong content (tensor shapes, model={}, history="abc", a bad RNG or balancer
-    state, epoch=True or 10**18) is one ConfigError here, not a traceback on every rank after the group starts."""
-    where = f"cannot resume: {path} does not fit this run"
-    epoch, step = state.get("epoch"), state.get("global_step")
-    lowest = 0 if state.get("partial") is not None else 1  # a step checkpoint may come before any epoch's end
-    if not (type(epoch) is int and lowest <= epoch <= cfg.epochs - (1 - lowest)):
-        raise ConfigError(f"{where}: its epoch {shown(epoch)} is not a whole number in {lowest}.."
-                          f"{cfg.epochs - (1 - lowest)} (--epochs)")
-    if state.get("partial") is not None and not isinstance(state["partial"], dict):
-        raise ConfigError(f"{where}: its partial epoch {shown(state['partial'])} is not a step checkpoint's record")
-    if not (type(step) is int and 0 <= step <= 2**62):
-        raise ConfigError(f"{where}: its global_step {shown(step)} is not a whole number >= 0")
-    t = state.get("train_time_s")
-    if not (isinstance(t, (int, float)) and not isinstance(t, bool) and np.isfinite(t) and t >= 0):
-        raise ConfigError(f"{where}: its train_time_s {shown(t)} is not a number of seconds")
-    if not (isinstance(state["history"], list) and len(state["history"]) == epoch):
-        raise ConfigError(f"{where}: its history is not a list of its {epoch} epochs (got {shown(state['history'])})")
-    torch_rng, numpy_rng = torch.get_rng_state(), np.random.get_state()  # the stand-ins' init draws from them
-    try:
-        stand_in = _StandIn(cfg, world_size, n_classes)
-        Trainer.load_state_dict(stand_in, state)  # the very reads the run will do
-        for p, st in stand_in.opt.state.items():  # SGD checks these only at its first step
-            buf = st.get("momentum_buffer")
-            if buf is not None and (not isinstance(buf, torch.Tensor) or buf.shape != p.shape):
-                raise ValueError(f"a momentum buffer of shape {tuple(getattr(buf, 'shape', ()))} for a parameter of "
-                                 f"shape {tuple(p.shape)}")
-        b = stand_in.balance.engine.plan.balancer
-        if b.shares.shape != (world_size,) or b.sizes.shape != (world_size,) or not np.all(np.isfinite(b.shares)) \
-                or int(b.sizes.sum()) != cfg.global_batch or np.any(b.sizes < 0):
-            raise ValueError(f"balancer shares {shown(b.shares.tolist())} and sizes {shown(b.sizes.tolist())} are not "
-                             f"{world_size} ranks' splits of the global batch {cfg.global_batch}")
-        if [r.epoch for r in stand_in.history] != list(range(1, epoch + 1)):
-            raise ValueError("its history does not list epochs 1.." + str(epoch))
-    except Exception as e:  # noqa: BLE001 - load_state_dict raises RuntimeError, KeyError, TypeError, ValueError...
-        line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
-        raise ConfigError(f"{where} (model {cfg.model}, {world_size} rank(s)): {type(e).__name__}"
-                          f"{': ' + shown(line, 160)[1:-1] if line else ''}") from None
-    finally:
-        torch.set_rng_state(torch_rng)
-        np.random.set_state(numpy_rng)
-
-
-class _StandIn:
-    """What Trainer.load_state_dict touches, built on the CPU without a process group (check_checkpoint)."""
-
-    def __init__(self, cfg: Config, world_size: int, n_classes: int):
-        self.cfg = cfg
-        self.model = build_model(cfg.model, n_classes)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                   nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
-        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
-        self.balance = make_balance(cfg, 0, world_size)
-
-
 def make_balance(cfg: Config, rank: int, world_size: int, replay: dict | None = None) -> Balance:
     """The run's Balance: the config's settings, its emulated slow ranks and, for a replay, the recorded sizes.
     Lag 0: the trainer cuts each step's batches when it runs it, so a decision takes effect at the next step."""
@@ -256,18 +201,23 @@ class Trainer:
         self.resumed_from: dict | None = None  # the checkpoint's world: its identities, epoch and step
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------
-    def state_dict(self, balance: dict, partial: dict | None = None) -> dict:
-        """epoch: the epochs completed; partial (a step checkpoint): the running epoch's steps so far, its metric
-        totals, time and every rank's augmentation RNG; identities: every rank's worker (Balance.identities)."""
+    def state_dict(self, partial: dict | None = None) -> dict:
+        """Collective (every rank, between steps; rank 0 saves it). epoch: the epochs completed; balance: the
+        Balance's own state_dict (its position: `step` steps of its `epoch`); partial (a step checkpoint): the running
+        epoch's steps so far, its metric totals, time and every rank's augmentation RNG and batch-norm buffers."""
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
-                "scheduler": self.sched.state_dict(), "balancer": balance["balancer"],
+                "scheduler": self.sched.state_dict(), "balance": self._balance_state(),
                 "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed}, "epoch": self.epoch,
-                "train_time_s": self.train_time_s, "global_step": balance["global_step"],
-                "history": [asdict(r) for r in self.history], "identities": balance["identities"],
-                "partial": partial,
+                "train_time_s": self.train_time_s, "history": [asdict(r) for r in self.history], "partial": partial,
                 "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_plain(np.random.get_state())}}
 
+    def _balance_state(self) -> dict:
+        """Collective: Balance.state_dict(), complete mid-epoch too (its position, the steps since the last
+        decision): the one place the trainer takes the Balance's state."""
+        return self.balance.state_dict()
+
     def load_state_dict(self, s: dict) -> None:
+        """A checkpoint in the current layout (runfolder.RunFolder.load_trainer_checkpoint, check_checkpoint)."""
         self.model.load_state_dict(s["model"])
         self.opt.load_state_dict(s["optimizer"])
         self.sched.load_state_dict(s["scheduler"])
@@ -275,20 +225,13 @@ class Trainer:
             relay_cosine(self.opt, self.sched, s["epoch"], self.cfg.epochs)
         part = s.get("partial")
         if part is not None:
-            if not (type(part.get("step")) is int and part["step"] >= 1 and part.get("epoch") == s["epoch"] + 1):
-                raise ValueError(f"a step checkpoint of epoch {shown(part.get('epoch'))} step "
-                                 f"{shown(part.get('step'))} after {s['epoch']} completed epochs")
             [Segment.of(g) for g in part["segments"]]  # noqa: B018 - a malformed record fails here, not at the end
-        self.balance.load_state_dict({"balancer": s["balancer"], "global_step": s["global_step"],
-                                      "identities": s.get("identities"),
-                                      **({"epoch": part["epoch"], "step": part["step"]} if part else
-                                         {"epoch": s["epoch"], "step": 0})})
+        self.balance.load_state_dict(s["balance"])
         self.epoch, self.train_time_s = s["epoch"], s["train_time_s"]
         self.saved_epoch, self.partial = self.epoch, part
         self.saved_step = part["step"] if part else 0
-        ids = s.get("identities")
-        self.resumed_from = {"identities": ids, "world": len(ids) if ids else len(s["balancer"]["shares"]),
-                             "epoch": self.epoch, "step": self.saved_step}
+        ids, world = balance_world(s["balance"])
+        self.resumed_from = {"identities": ids, "world": world, "epoch": self.epoch, "step": self.saved_step}
         self.history = [EpochRow(**r) for r in s["history"]]
         torch.set_rng_state(s["rng"]["torch"])
         name, keys, pos, has_gauss, cached = s["rng"]["numpy"]
@@ -382,7 +325,6 @@ class Trainer:
         checkpoint holds the partial epoch; its rows go to the tables when the epoch ends."""
         w, bal = self.world, self.balance
         self._check_finite(epoch, first_bad)
-        balance = bal.state_dict()  # collective: with the steps since the last decision
         segments, totals, train_s = self._gathered(start, None, sums, t0)
         loaders, buffers = [None] * w.size, [None] * w.size
         dist.all_gather_object(loaders, self.train_loader.gen.get_state().cpu())
@@ -392,8 +334,10 @@ class Trainer:
                "segments": (part["segments"] if part else []) + [g.plain() for g in segments],
                "totals": (np.asarray(part["totals"], float) + totals if part else totals).tolist(),
                "train_s": train_s + (part["train_s"] if part else 0.0)}
+        state = self.state_dict(new)  # collective
         if w.is_main:
-            self.folder.save_checkpoint(self.state_dict(balance, new))
+            self.folder.save_checkpoint(state)
+        del state
         self.saved_step = step
         if w.is_main:
             self.folder.write_json("summary.json", self.summary("running"))
@@ -422,9 +366,10 @@ class Trainer:
             self.sched.step()
             self.epoch, self.train_time_s = epoch, self.train_time_s + r.train_s
             row = self._record(epoch, r, ev, eval_s, lr)
-            balance = self.balance.state_dict()  # collective
+            state = self.state_dict()  # collective
             if w.is_main:
-                self.folder.save_checkpoint(self.state_dict(balance))
+                self.folder.save_checkpoint(state)
+            del state
             self.saved_epoch, self.saved_step = epoch, 0  # rank 0 saved it (else it raised: a summary claims less)
             if w.is_main:
                 self.folder.write_json("summary.json", self.summary("running"))

@@ -1,16 +1,16 @@
 """Resuming a run: the recorded Config with the flags that may change, every problem one ConfigError before any
-process group exists; and the learning-rate rule when --epochs changes."""
+process group exists; and the learning-rate rule when --epochs changes. The files are read by runfolder."""
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from ..core import safeio
 from .config import Config, ConfigError
+from .runfolder import epochs_done, read_config
 
 # Flags that may differ from the recorded run on --resume: how long, where and how fast it runs, not what it
 # computes. A grown --epochs re-lays the cosine schedule (relay_cosine, from Trainer.load_state_dict).
@@ -19,24 +19,18 @@ from .config import Config, ConfigError
 RESUMABLE = ("epochs", "timeout_s", "device", "backend", "threads", "affinity", "eval_batch", "data_dir",
              "max_batch", "checkpoint_every")
 PER_RANK = ("device", "threads", "affinity", "max_batch")
+FOLDER = ("resume", "run_dir", "overwrite")  # where the run is, not what it computes
 
 
-def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
+def resumed_config(cfg: Config, given: set[str], world_size: int, rejoined: str = "") -> Config:
     """The Config recorded in the --resume folder, with the resumable flags given on this command line; every
     problem (unreadable or foreign config.json, a per-rank list or emulated rank that does not fit another world
-    size, a changed flag) is a ConfigError."""
+    size, a changed flag) is a ConfigError. rejoined: how a torchrun job found the folder instead of --resume (its
+    world may then change as torchrun's elastic rules allow: Config.check_world)."""
     folder = Path(cfg.resume)
-    where = f"cannot resume {folder}"
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{where}: it holds no config.json")
-    try:
-        meta = json.loads(safeio.read_bytes(path, "its config.json"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{where}: its config.json is unreadable or truncated ({e})") from None
-    saved = meta.get("config") if isinstance(meta, dict) else None
-    if not isinstance(saved, dict):
-        raise ConfigError(f"{where}: its config.json has no config record")
+    where = f"cannot resume {folder}" + (f" ({rejoined})" if rejoined else "")
+    meta = read_config(folder)
+    saved = meta["config"]
     defaults = {f.name: f.default for f in fields(Config)}
     if unknown := sorted(set(saved) - set(defaults)):
         raise ConfigError(f"{where}: its config.json has unknown field(s) {', '.join(map(repr, unknown))} "
@@ -47,13 +41,13 @@ def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
     if cfg.run_dir and Path(cfg.run_dir) != folder:
         raise ConfigError(f"--run-dir {cfg.run_dir} differs from --resume {folder}: a resumed run stays in its folder")
     recorded = {**defaults, **saved}  # a field added since the run was recorded holds its default
-    changed = [n for n in defaults if n in given and n not in RESUMABLE + ("resume", "run_dir")
-               and getattr(cfg, n) != recorded[n]]
+    changed = [n for n in defaults if n in given and n not in RESUMABLE + FOLDER and getattr(cfg, n) != recorded[n]]
     if changed:
         raise ConfigError(f"{where} with another " + ", ".join(f"--{n.replace('_', '-')} (recorded "
                           f"{recorded[n]!r})" for n in changed) + ": a resumed run keeps its configuration; only "
-                          + ", ".join(f"--{n.replace('_', '-')}" for n in RESUMABLE) + " may change")
-    if ran != world_size:  # another world: what was set per rank must be said anew, or be one value for all
+                          + ", ".join(f"--{n.replace('_', '-')}" for n in RESUMABLE) + " may change"
+                          + (" (another --rdzv-id or --run-dir starts a new run)" if rejoined else ""))
+    if ran != world_size and not rejoined:  # another world: what was set per rank is said anew, or one value
         for n in PER_RANK:
             listed = str(recorded[n]).split(",") if recorded[n] else []
             if n not in given and len(listed) > 1:
@@ -70,19 +64,18 @@ def resumed_config(cfg: Config, given: set[str], world_size: int) -> Config:
                         "resume": str(folder), "run_dir": str(folder), "overwrite": False})
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
-    done = _epochs_done(folder)
+    done = epochs_done(folder)
     if new.epochs < done:
         raise ConfigError(f"{where} with --epochs {new.epochs}: it has completed {done} epochs already")
     return new
 
 
-def _epochs_done(folder: Path) -> int:
-    """Epochs completed per summary.json (written after each checkpoint, so never ahead of it); 0 if unknown."""
-    try:
-        done = json.loads(safeio.read_bytes(folder / "summary.json")).get("epochs_completed", 0)
-    except (OSError, ValueError, AttributeError):
-        return 0
-    return done if isinstance(done, int) else 0
+def rejoined_config(cfg: Config, world_size: int, run_id: str) -> Config:
+    """The run a torchrun job continues by its run id (a restart, or a new job given the same --rdzv-id): every
+    setting of this command line (given or default) is held to the record exactly as --resume holds a given one."""
+    every = {f.name for f in fields(Config)} - set(FOLDER)
+    how = f"the folder of torchrun's run id {run_id!r}" if run_id and run_id != "none" else "a torchrun restart"
+    return resumed_config(dataclasses.replace(cfg, resume=cfg.run_dir), every, world_size, how)
 
 
 def relay_cosine(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.CosineAnnealingLR, done: int,

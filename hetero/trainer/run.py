@@ -6,17 +6,16 @@
         --rdzv-id=job1 -m hetero.trainer --model vgg16          # and --node-rank=1 on the second node
     python -m hetero.trainer ...                                  # a world of one, no torchrun needed
 
-This module is the command's life cycle: arguments, resume and replay resolution, the run folder's lock, run
-metadata, signals, the launcher watchdog and the exit status. The training loop is trainer.py (on api.Balance).
+This module is the command's life cycle, read top to bottom in `main`: every check before any process group
+(`prepare`: arguments, resume and replay, the run folder's files and checkpoint, the data; rank 0 claims the folder
+last), then the run (`train`: the process group, the Trainer, run metadata, signals, the launcher watchdog) and the
+exit status. The run folder's files are runfolder.py's; the training loop is loop.py (on hetero.Balance).
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import json
 import os
-import re
 import signal
 import socket
 import sys
@@ -31,18 +30,20 @@ import torch.distributed as dist
 
 from ..core import safeio
 from ..core.agree import HeteroError, named_identity, remap_identities
+from . import runfolder
+from .checkpoint import check_checkpoint
 from .cli import parse_args
-from .config import Config, ConfigError, check_launch, default_run_dir, shown
-from .data import DataError, load_data
+from .config import Config, ConfigError, check_launch, shown
+from .data import DataError, DataSet, load_data
 from .dist import World, apply_cpu_budget, env_world, setup, teardown
-from .loop import Trainer, TrainingError, check_checkpoint, evaluate, limits_text  # noqa: F401 - evaluate: part of this API
+from .loop import Trainer, TrainingError, evaluate, limits_text  # noqa: F401 - evaluate: part of this API
 from .provenance import provenance
-from .resume import resumed_config
-from .runlog import CHECKPOINT, DiskError, RunFolder, claim_run_dir
+from .resume import rejoined_config, resumed_config
+from .runfolder import DiskError, RunFolder, RunLock, claim_run_dir
 
 
 def run_metadata(cfg: Config, world: World, run_dir: Path, identities: list[str] | None = None) -> dict:
-    """What the run depends on besides its data: config, ranks' places, provenance (measure.py), torchrun's ids."""
+    """What the run depends on besides its data: config, ranks' places, provenance (provenance.py), torchrun's ids."""
     ranks = [None] * world.size
     dist.all_gather_object(ranks, {"host": socket.gethostname(), "device": str(world.device),
                                    "threads": torch.get_num_threads()})
@@ -154,106 +155,89 @@ def exit_with_launcher(rank: int, poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="hetero-launcher-watch", daemon=True).start()
 
 
-def same_torchrun_run(run_dir: Path, run_id: str) -> bool:
-    """Whether the folder's run was started by this torchrun job (its config.json records the run id)."""
-    if not run_id or run_id == "none":
-        return False
-    try:
-        meta = json.loads(safeio.read_bytes(run_dir / "config.json"))
-        return isinstance(meta, dict) and (meta.get("torchrun") or {}).get("TORCHELASTIC_RUN_ID") == run_id
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def run_id_folder(run_id: str) -> str:
-    """A folder name for torchrun's run id, one per id: the id itself when it is a plain name, else its plain
-    characters and a digest of the whole id (two ids that share a prefix never share a folder)."""
-    if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run_id):
-        return run_id
-    plain = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:40].lstrip("._-")
-    return f"{plain}-{hashlib.sha256(run_id.encode()).hexdigest()[:16]}"
-
-
-def resolve_run_dir(cfg: Config) -> tuple[Config, bool]:
-    """The run folder and whether to resume: explicit, or after a torchrun restart the same one again."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    run_dir = cfg.resume or cfg.run_dir
-    if not run_dir:
-        if run_id and run_id != "none":  # stable over torchrun restarts and the same on every node
-            run_dir = str(Path("runs") / f"{cfg.model}-{cfg.scheme}-{run_id_folder(run_id)}")
-        else:
-            run_dir = str(default_run_dir(cfg, datetime.now().strftime("%Y%m%d-%H%M%S")))
-    has_checkpoint = (Path(run_dir) / "checkpoint.pt").exists()
-    # torchrun restarts its workers when one fails (RESTART_COUNT grows) and when a node joins (it does not; a
-    # joining node's workers start at 0): both continue their own run, known by torchrun's run id
-    resume = bool(cfg.resume) or (has_checkpoint and (restarted or same_torchrun_run(Path(run_dir), run_id)))
-    # a restart before the first checkpoint starts the run again in its own folder
-    overwrite = cfg.overwrite or (restarted and not has_checkpoint)
-    return dataclasses.replace(cfg, run_dir=run_dir, overwrite=overwrite and not resume), resume
-
-
 # A rank other than its node's local rank 0 that fails a check waits this long (s) before exiting, since torchrun
 # stops every worker as soon as one exits: the speaker, slower to import, would be stopped before it printed.
 QUIET_WAIT_S = 60.0
 
 
+@dataclasses.dataclass
+class Job:
+    """What the checks before the process group found: the resolved config, whether it resumes, the data, a replay's
+    sizes, the checkpoint (rank 0, verified) and rank 0's hold on the run folder."""
+    cfg: Config
+    resume: bool
+    data: DataSet
+    replay: dict | None
+    saved: dict | None
+    lock: RunLock | None
+
+
+def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int) -> Job | None:
+    """Every check, on every rank, before any process group; ConfigError or DataError in one line. Only reads,
+    until rank 0 claims the run folder last: a refused job changes no file there. None: --check passed."""
+    check_launch(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+                 os.environ.get("RDZV_ENDPOINT"))
+    cfg, ns = parse_args(argv)
+    try:
+        named_identity()  # HETERO_WORKER_ID's form (a list, a template), before anything starts
+    except HeteroError as e:
+        raise ConfigError(str(e).removeprefix("hetero: ")) from None
+    given_resume = bool(cfg.resume)
+    if given_resume:  # continue with the recorded configuration
+        cfg = resumed_config(cfg, ns.given, world_size)
+    cfg, resume = runfolder.resolve(cfg)
+    if resume and not given_resume:  # found by torchrun's run id: its settings are held to the record
+        cfg = rejoined_config(cfg, world_size, os.environ.get("TORCHELASTIC_RUN_ID", ""))
+    cfg.check_world(world_size, elastic=resume and not given_resume)
+    first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
+    cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
+    run_dir = Path(cfg.run_dir)
+    runfolder.check_files(run_dir, resume)  # every rank: no FIFO, socket, folder or link where a file goes
+    saved, read = RunFolder(run_dir).load_trainer_checkpoint() if resume and rank == 0 else (None, None)
+    data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
+    if cfg.global_batch > len(data.train_y):
+        raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")
+    steps = len(data.train_y) // cfg.global_batch
+    if saved is not None:
+        check_checkpoint(cfg, world_size, len(data.classes), steps, saved, run_dir / runfolder.CHECKPOINT)
+    replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
+    missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
+    if missing:
+        raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
+    lock = claim_run_dir(run_dir, resume, cfg.overwrite, read) if rank == 0 else None  # held until the process ends
+    if ns.check:
+        if lock is not None:
+            lock.release(discard=True)  # a check leaves no empty folder behind
+        return None
+    return Job(cfg, resume, data, replay, saved, lock)
+
+
+def refuse(e: Exception, rank: int, local_rank: int) -> int:
+    """Exit status 2 after one line per node: every rank failed the same check, its node's local rank 0 says so."""
+    if local_rank != 0:  # the node's speaker fails the same check: let it print before torchrun stops it
+        time.sleep(QUIET_WAIT_S)
+        print(f"hetero: error: rank {rank}: {e}", file=sys.stderr, flush=True)  # it did not: say it here
+    else:
+        print(f"hetero: error: {e}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     rank, world_size, local_rank = env_world()
-    # Every rank checks the same things; one per node says so (the nodes' consoles are apart), before any group.
-    say = (lambda msg: print(f"hetero: error: {msg}", file=sys.stderr, flush=True)) if local_rank == 0 \
-        else (lambda m: None)
-    lock = None  # rank 0's hold on the run folder (runlog.claim_run_dir), kept until this process ends
     try:
-        check_launch(rank, local_rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-                     os.environ.get("RDZV_ENDPOINT"))
-        cfg, ns = parse_args(argv)
-        try:
-            named_identity()  # HETERO_WORKER_ID's form (a list, a template), before anything starts
-        except HeteroError as e:
-            raise ConfigError(str(e).removeprefix("hetero: ")) from None
-        if cfg.resume:  # continue with the recorded configuration
-            cfg = resumed_config(cfg, ns.given, world_size)
-        given_resume = bool(cfg.resume)
-        cfg, resume = resolve_run_dir(cfg)
-        cfg.check_world(world_size, elastic=resume and not given_resume)
-        first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
-        cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
-        saved_state = None
-        if rank == 0:  # the folder's lock before anything is written into it; held until this process ends
-            lock = claim_run_dir(Path(cfg.run_dir), resume, cfg.overwrite)
-            if resume:  # loaded and checked now, so a bad checkpoint fails in one line before any process group
-                saved_state = RunFolder(Path(cfg.run_dir)).load_trainer_checkpoint()
-        data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
-        if cfg.global_batch > len(data.train_y):
-            raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")
-        if saved_state is not None:
-            check_checkpoint(cfg, world_size, len(data.classes), saved_state, Path(cfg.run_dir) / CHECKPOINT)
-        replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
-        steps = len(data.train_y) // cfg.global_batch
-        missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
-        if missing:
-            raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
-        if ns.check:
-            if lock is not None:
-                lock.release(discard=True)  # a check leaves no empty folder behind
-            return 0
+        job = prepare(argv, rank, local_rank, world_size)
     except (ConfigError, DataError) as e:
-        if lock is not None:
-            lock.release(discard=True)
-        if local_rank != 0:  # the node's speaker fails the same check: let it print before torchrun stops it
-            time.sleep(QUIET_WAIT_S)
-            print(f"hetero: error: rank {rank}: {e}", file=sys.stderr, flush=True)  # it did not: say it here
-        say(e)
-        return 2
-    settings = cfg.rank_settings(world_size)
+        return refuse(e, rank, local_rank)
+    if job is None:
+        return 0
+    settings = job.cfg.rank_settings(world_size)
     own = settings[rank]
     cores = set(own.cores) if own.cores else None
     try:
         apply_cpu_budget(own.threads, cores, own.device)
     except OSError as e:
-        say(f"--affinity {cfg.affinity!r}: cannot pin rank {rank} to cores {sorted(cores)} ({e.strerror})")
-        return 2
+        return refuse(ConfigError(f"--affinity {job.cfg.affinity!r}: cannot pin rank {rank} to cores {sorted(cores)} "
+                                  f"({e.strerror})"), rank, 0)
 
     def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -261,42 +245,51 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     if "TORCHELASTIC_RUN_ID" in os.environ:
         exit_with_launcher(rank)
+    return train(job, settings, rank, local_rank)
 
+
+def start_folder(trainer: Trainer, world: World, job: Job, meta: dict) -> None:
+    """Rank 0, holding the lock: config.json (meta) and membership.csv written, the run's first line printed."""
+    cfg, run_dir, limits = job.cfg, Path(job.cfg.run_dir), trainer.max_batches
+    meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
+    if "probe" in cfg.max_batch:
+        print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): {limits_text(limits, world.size)} "
+              f"('-': no limit; CPU ranks are not probed)", flush=True)
+    trainer.folder.start(meta, trainer.epoch if job.resume else None, cfg.overwrite)
+    trainer.folder.append("membership", membership_rows(trainer, world))
+    was = trainer.resumed_from
+    where = "" if not job.resume else f", resuming after epoch {trainer.epoch}" + (
+        f" at step {trainer.saved_step} of epoch {trainer.epoch + 1}" if trainer.saved_step else "") + (
+        f" (the checkpoint's world had {was['world']} rank(s))" if was and was["world"] != world.size else "")
+    print(f"hetero: {cfg.model} {cfg.scheme} on {world.size} rank(s) ({world.backend}), run folder {run_dir}{where}",
+          flush=True)
+
+
+def train(job: Job, settings: list, rank: int, local_rank: int) -> int:
+    """The run, from the process group to its teardown; exit status 0, 1 (a failure: one line, the run marked
+    failed) or 2 (the backend cannot work where the ranks are)."""
+    cfg = job.cfg
     trainer, ok, started = None, False, False
     try:
         try:
             world = setup([s.device for s in settings], cfg.backend, cfg.timeout_s)
         except ConfigError as e:  # the backend cannot work where the ranks are: the same on every rank
-            say(e)
-            return 2
-        run_dir = Path(cfg.run_dir)
-        trainer = Trainer(cfg, world, data, run_dir, replay)
-        if resume:
-            state = [saved_state]
+            return refuse(e, rank, local_rank) if local_rank == 0 else 2
+        trainer = Trainer(cfg, world, job.data, Path(cfg.run_dir), job.replay)
+        if job.resume:
+            state = [job.saved]
             dist.broadcast_object_list(state, src=0)
             trainer.load_state_dict(state[0])
-            del saved_state, state
-        meta = run_metadata(cfg, world, run_dir, trainer.balance.engine.plan.identities)
-        limits = trainer.max_batches
-        meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
+            job.saved = state = None
+        meta = run_metadata(cfg, world, Path(cfg.run_dir), trainer.balance.engine.plan.identities)  # collective
         if world.is_main:
-            if "probe" in cfg.max_batch:
-                print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): "
-                      f"{limits_text(limits, world.size)} ('-': no limit; CPU ranks are not probed)", flush=True)
-            trainer.folder.start(meta, trainer.epoch if resume else None, cfg.overwrite)
             started = True  # from here on a failure is this job's to record in the folder
-            trainer.folder.append("membership", membership_rows(trainer, world))
-            was = trainer.resumed_from
-            where = "" if not resume else f", resuming after epoch {trainer.epoch}" + (
-                f" at step {trainer.saved_step} of epoch {trainer.epoch + 1}" if trainer.saved_step else "") + (
-                f" (the checkpoint's world had {was['world']} rank(s))" if was and was["world"] != world.size else "")
-            print(f"hetero: {cfg.model} {cfg.scheme} on {world.size} rank(s) ({world.backend}), run folder "
-                  f"{run_dir}{where}", flush=True)
+            start_folder(trainer, world, job, meta)
         summary = trainer.fit()
         if world.is_main:
-            trainer.folder.write_json("summary.json", summary)
+            trainer.folder.write_json(runfolder.SUMMARY, summary)
             print(f"hetero: done in {summary['train_time_s']:.1f} s of training; final test top-1 "
-                  f"{100 * summary['final_test_top1']:.2f}%; {run_dir}", flush=True)
+                  f"{100 * summary['final_test_top1']:.2f}%; {cfg.run_dir}", flush=True)
         ok = True
         return 0
     except BaseException as e:  # noqa: BLE001 - mark the run failed whatever stopped it, then re-raise or exit
@@ -305,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         msg = str(e) if plain else f"{type(e).__name__}: {e}"
         if started and trainer is not None and trainer.folder is not None:  # rank 0, holding the lock
             try:
-                trainer.folder.write_json("summary.json", trainer.summary("failed", msg))
+                trainer.folder.write_json(runfolder.SUMMARY, trainer.summary("failed", msg))
             except DiskError:
                 pass  # no room even for the summary: readers show the run as interrupted once this job is gone
         print(f"hetero: rank {rank}: error: {msg.splitlines()[0] if msg else type(e).__name__}", file=sys.stderr,

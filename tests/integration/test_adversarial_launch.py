@@ -19,8 +19,9 @@ import psutil
 import pytest
 import torch
 
-import hetero.trainer.runlog as runlog
+import hetero.trainer.runfolder as runfolder
 from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
+from hetero.trainer.checkpoint import sealed
 
 from helpers import ROOT, SMALL, _env, assert_one_line, check, image_folder, run_make
 
@@ -70,7 +71,7 @@ def done_run(tmp_path_factory) -> Path:
 def _copy(run: Path, tmp_path: Path) -> Path:
     dst = tmp_path / "run"
     shutil.copytree(run, dst)
-    (dst / runlog.LOCK).unlink(missing_ok=True)
+    (dst / runfolder.LOCK).unlink(missing_ok=True)
     return dst
 
 
@@ -89,8 +90,8 @@ CHECKPOINTS = [
     ("history='abc'", _set("history", value="abc")),
     ("torch rng", _set("rng", "torch", value=torch.zeros(7, dtype=torch.uint8))),
     ("numpy rng", _set("rng", "numpy", value=["MT19937", [1, 2], 0, 0, 0.0])),
-    ("balancer", _set("balancer", "shares", value=[0.2, 0.3, 0.5])),
-    ("balancer sizes", _set("balancer", "sizes", value=[7])),
+    ("balancer", _set("balance", "balancer", "shares", value=[0.2, 0.3, 0.5])),
+    ("balancer sizes", _set("balance", "balancer", "sizes", value=[7])),
     ("epoch=True", _set("epoch", value=True)),
     ("epoch=10**18", _set("epoch", value=10**18)),
     ("momentum", _set("optimizer", "state", 0, "momentum_buffer", value=lambda t: torch.zeros(5))),
@@ -101,13 +102,15 @@ CHECKPOINTS = [
 def test_a_checkpoint_that_does_not_fit_is_one_line_at_check(name, edit, done_run, tmp_path, monkeypatch, capsys):
     run = _copy(done_run, tmp_path)
     state = torch.load(run / "checkpoint.pt", weights_only=True)
+    del state["sha256"]
     if name == "shapes":
         key = next(k for k, v in state["model"].items() if v.ndim == 2)
         edit = _set("model", key, value=lambda t: torch.zeros(t.shape[0] + 1, t.shape[1]))
     edit(state)
-    torch.save(state, run / "checkpoint.pt")
+    torch.save(sealed(state), run / "checkpoint.pt")  # resealed: the content checks, not the digest, refuse it
     rc, err = check(["--resume", str(run)], monkeypatch, capsys)
     assert_one_line(rc, err, "cannot resume")
+    assert "integrity" not in err[0]
 
 
 def test_the_sound_checkpoint_passes_the_same_check(done_run, tmp_path, monkeypatch, capsys):
@@ -186,15 +189,15 @@ def test_a_stopped_worker_dies_with_its_launcher_and_frees_the_folder(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.2)
         (worker,) = [p for p in launch_pids(marker) if p != proc.pid]
-        assert runlog.is_busy(run)
+        assert runfolder.is_busy(run)
         os.kill(worker, signal.SIGSTOP)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
         deadline = time.monotonic() + 15  # the kernel's SIGKILL is at once; exiting a big process takes a moment
         while (psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE
-               or runlog.is_busy(run)) and time.monotonic() < deadline:
+               or runfolder.is_busy(run)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not launch_pids(marker) and not runlog.is_busy(run)
+        assert not launch_pids(marker) and not runfolder.is_busy(run)
     finally:
         for pid in launch_pids(marker):
             os.kill(pid, signal.SIGKILL)

@@ -15,7 +15,7 @@ import torch
 from hetero.core.sampler import EpochPlan
 from hetero.lab import recovery
 from hetero.lab.launch import torchrun_cmd
-from hetero.trainer.runlog import RunFolder
+from hetero.trainer.runfolder import RunFolder
 
 from helpers import ROOT, TINY, _env, read_run, run_train
 

@@ -15,10 +15,10 @@ import psutil
 import pytest
 import torch
 
-import hetero.trainer.runlog as runlog
+import hetero.trainer.runfolder as runfolder
 from hetero.lab.launch import MARKER, launch_pids, torchrun_cmd
 from hetero.trainer import run as train
-from hetero.trainer.runlog import RunFolder, acquire_lock, status
+from hetero.trainer.runfolder import RunFolder, acquire_lock, status
 
 from helpers import ROOT, TINY, _env, read_run, run_train
 
@@ -46,7 +46,7 @@ def done_run(tmp_path_factory):
 def _copy(run, tmp_path):
     dst = tmp_path / "run"
     shutil.copytree(run, dst)
-    (dst / runlog.LOCK).unlink(missing_ok=True)
+    (dst / runfolder.LOCK).unlink(missing_ok=True)
     return dst
 
 
@@ -114,7 +114,7 @@ def test_disk_full_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, c
             fh.write(b"x" * 1000)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(obj, fh)
-    monkeypatch.setattr(runlog.torch, "save", save)
+    monkeypatch.setattr(runfolder.torch, "save", save)
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
     term = signal.getsignal(signal.SIGTERM)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hetero.lab.launch import torchrun_cmd
-from hetero.trainer.runlog import RunFolder
+from hetero.trainer.runfolder import RunFolder
 
 from helpers import ROOT, TINY, _env, read_run, run_train
 

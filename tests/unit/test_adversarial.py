@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-import hetero.trainer.runlog as runlog
+import hetero.trainer.runfolder as runfolder
 from hetero.core import safeio
 from hetero.lab import analysis
 from hetero.lab import grid as hg
@@ -109,22 +109,16 @@ def test_a_link_at_the_lock_or_config_is_refused_and_the_target_untouched(tmp_pa
 
 
 def test_links_planted_at_every_run_file_leave_their_targets_untouched(tmp_path, monkeypatch, capsys):
-    """One real run (one process) into a folder with links at each file it writes: each is replaced or refused."""
+    """A link at any file the trainer writes (replaced or appended) is refused by name before the run (issue 36:
+    the trainer never makes links in a run folder), and its target stays untouched."""
     victim = _victim(tmp_path)
-    run = tmp_path / "run"
-    run.mkdir()
-    names = ["summary.json", "checkpoint.pt"]  # replaced (atomic writes) ...
-    for name in names:
+    for name in ("summary.json", "checkpoint.pt", "epochs.csv", "membership.csv"):
+        run = tmp_path / f"run-{name}"
+        run.mkdir()
         (run / name).symlink_to(victim)
-    rc, err = check([*SMALL, "--epochs", "1", "--run-dir", str(run)], monkeypatch, capsys, check_only=False)
-    assert rc == 0, err
-    assert victim.read_text() == VICTIM and not any((run / n).is_symlink() for n in names)
-    run2 = tmp_path / "run2"
-    run2.mkdir()
-    (run2 / "epochs.csv").symlink_to(victim)  # ... and an appended table (epochs, ranks, steps) refused by name
-    assert_one_line(*check([*SMALL, "--epochs", "1", "--run-dir", str(run2)], monkeypatch, capsys, check_only=False),
-                    "epochs.csv is a symbolic link")
-    assert victim.read_text() == VICTIM
+        assert_one_line(*check([*SMALL, "--epochs", "1", "--run-dir", str(run)], monkeypatch, capsys,
+                               check_only=False), f"its {name} is a symbolic link")
+        assert victim.read_text() == VICTIM and (run / name).is_symlink()
 
 
 def test_a_run_dir_that_is_a_link_to_a_folder_is_fine(tmp_path, monkeypatch, capsys):
@@ -137,14 +131,15 @@ def test_safe_writes_replace_a_planted_link(tmp_path):
     victim = _victim(tmp_path)
     for name, write in (("out", lambda p: safeio.write_text(p, "new")),
                         ("summary.csv", lambda p: analysis.save_table(pd.DataFrame({"a": [1]}), p)),
-                        ("checkpoint.pt", lambda p: runlog.RunFolder(p.parent).save_checkpoint({"x": torch.ones(2)}))):
+                        ("checkpoint.pt",
+                         lambda p: runfolder.RunFolder(p.parent).save_checkpoint({"x": torch.ones(2)}))):
         target = tmp_path / name
         target.symlink_to(victim)
         write(target)
         assert victim.read_text() == VICTIM and not target.is_symlink()
-    with pytest.raises(runlog.DiskError, match="is a symbolic link"):
+    with pytest.raises(runfolder.DiskError, match="is a symbolic link"):
         (tmp_path / "steps.csv").symlink_to(victim)
-        runlog.RunFolder(tmp_path).append("steps", [{"a": 1}])
+        runfolder.RunFolder(tmp_path).append("steps", [{"a": 1}])
     assert victim.read_text() == VICTIM
 
 
@@ -294,7 +289,7 @@ def test_disk_full_inside_torch_save_says_disk_full(tmp_path, monkeypatch, capsy
     def save(obj, fh):  # the second checkpoint's file runs out of room half-way
         saves.append(1)
         return real_save(obj, Full(fh) if len(saves) == 2 else fh)
-    monkeypatch.setattr(runlog.torch, "save", save)
+    monkeypatch.setattr(runfolder.torch, "save", save)
     term = signal.getsignal(signal.SIGTERM)
     try:
         rc, err = check([*SMALL, "--epochs", "3", "--run-dir", str(run)], monkeypatch, capsys, check_only=False)

@@ -153,10 +153,10 @@ def test_balance_takes_its_worker_id_over_the_environment_and_the_environment_ov
         bal = Balance(global_batch=8, scheme="edp", **kw)
         bal.attach(DDP(torch.nn.Linear(2, 2)))
         return bal
-    assert attached().identities == ["slow"]                      # the environment's name for local rank 1
-    assert attached(worker_id="mine").identities == ["mine"]      # the library's argument comes first
+    assert attached().engine.plan.identities == ["slow"]                      # the environment's name for local rank 1
+    assert attached(worker_id="mine").engine.plan.identities == ["mine"]      # the library's argument comes first
     monkeypatch.setenv("HETERO_WORKER_ID", "slow")                # a name of its own (srun sets it per process)
-    assert attached().identities == ["slow"]
+    assert attached().engine.plan.identities == ["slow"]
     monkeypatch.setenv("HETERO_WORKER_ID", "a,b,c")
     with pytest.raises(HeteroError, match="lists 3 names for the 2 worker"):
         attached()
@@ -164,13 +164,13 @@ def test_balance_takes_its_worker_id_over_the_environment_and_the_environment_ov
 
 def test_torchrun_run_ids_that_share_a_prefix_get_folders_of_their_own(monkeypatch):
     from hetero.trainer.cli import parse_args
-    from hetero.trainer.run import resolve_run_dir, run_id_folder
+    from hetero.trainer.runfolder import resolve, run_id_folder
 
     cfg, _ = parse_args(["--model", "tiny", "--data", "synthetic"])
     folders = set()
     for run_id in ("experiment-2026-12-01-a", "experiment-2026-12-01-b"):  # the first 12 characters alike
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
-        got, resume = resolve_run_dir(cfg)
+        got, resume = resolve(cfg)
         assert not resume and got.run_dir == f"runs/tiny-edp-{run_id}"
         folders.add(got.run_dir)
     assert len(folders) == 2

@@ -202,11 +202,12 @@ for name in sys.argv[2:]:
         fully_shard(m[2])
     try:
         bal = hetero.Balance(global_batch=8)
-        bal.batch_sampler(8)  # the epoch's length
+        sampler = bal.batch_sampler(8)  # the epoch's length: one step
         bal.set_epoch(0)
         bal.attach(m[2] if name == "not_root" else m)
-        with bal.step():
-            m(torch.randn(4, 8)).sum().backward()
+        for idx in sampler:
+            with bal.step():
+                m(torch.randn(len(idx), 8)).sum().backward()
         lines.append(f"{name}: accepted")
     except (ValueError, RuntimeError) as e:
         lines.append(f"{name}: {e}")

@@ -176,7 +176,7 @@ def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         bal.set_epoch(0)
         counts = fixed or bal.micro_batches
-        start = 0 if rank == 0 else 4
+        start = 0 if rank == 0 else int(bal.sizes_at(0, 0)[0])  # the loop cuts its own slice of the step
         for micro in range(counts):  # this rank's slice of the step's 16 samples, in micro-batches of 4
             lo = start + 4 * micro
             with bal.step():

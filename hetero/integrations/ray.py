@@ -31,8 +31,6 @@ import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import ray.train
-import ray.train.torch
 import torch
 import torch.distributed as dist
 
@@ -41,12 +39,15 @@ from ..core.balance import Balance
 from ..core.emulator import parse_hetero
 from ..core.rules import whole
 
+# Ray itself is imported where it is used: the pure parts (for_this_world, by_worker) load without it, in seconds
 FILE = "hetero.pt"  # the checkpoint's one file: plain tensors, lists and numbers (torch.load weights_only=True)
 
 
 def device() -> torch.device:
     """The device Ray assigned this worker: Ray shares CUDA_VISIBLE_DEVICES on a node, so cuda:LOCAL_RANK may be
     another worker's GPU; ray.train.torch.get_device() is the one Ray reserved."""
+    import ray.train.torch
+
     return ray.train.torch.get_device()
 
 
@@ -128,6 +129,8 @@ class Checkpoints:
         balance = bal.state_dict()  # makes state_dict complete on its own: drop observe_now then)
         payload = {"balance": balance, "position": [self.epoch, self.step], "restarts": self.restarts,
                    "workers": self.workers, "user": state()}
+        import ray.train
+
         if not dist.is_initialized() or dist.get_rank() == 0:
             with tempfile.TemporaryDirectory() as d:
                 torch.save(payload, Path(d) / FILE)
@@ -140,6 +143,8 @@ class Checkpoints:
 
 def _read() -> dict | None:
     """The latest reported checkpoint's hetero file, or None (a first start)."""
+    import ray.train
+
     ckpt = ray.train.get_checkpoint()
     if ckpt is None:
         return None

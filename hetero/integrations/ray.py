@@ -5,7 +5,7 @@ keyed by that identity, and checkpoints that carry the Balance through Ray's res
     def train_fn(config):                                  # run by every Ray Train worker
         device = hetero_ray.device()
         ckpt = hetero_ray.Checkpoints(every=20)            # reads ray.train.get_checkpoint(), if any
-        me, ids = hetero_ray.worker_id(device), None
+        me = hetero_ray.worker_id(device)                  # pass it to the Balance: its key across restarts
         ids = hetero_ray.identities(me)                    # every worker's, in this start's rank order
         bal = hetero.Balance(global_batch=256, rebalance_every=10, worker_id=me)
         bal.emulate(hetero_ray.for_this_world(config["hetero"], ckpt.workers or ids, ids))
@@ -101,14 +101,12 @@ class Checkpoints:
         self.epoch, self.step = self.saved["position"] if self.saved else (0, 0)  # where this start goes on
         self.workers: list[str] | None = self.saved["workers"] if self.saved else None  # the first start's
         self.resumed_at = (self.epoch, self.step) if self.saved else None
-        self._steps = 0
-        self._ids: list[str] | None = None
+        self._steps = 0  # per epoch, from resume
 
     def resume(self, bal: Balance, n_samples: int) -> dict | None:
         """After bal.attach and bal.batch_sampler(n_samples): the saved Balance goes on at the saved step (carried
         by identity to this start's ranks and world); returns the user's state (None on a first start)."""
         self._steps = n_samples // bal.global_batch
-        self._ids = bal.identities
         if self.workers is None:
             self.workers = list(bal.identities or [])
         if not self.saved:
@@ -120,6 +118,8 @@ class Checkpoints:
     def after_step(self, bal: Balance, metrics: dict, state: Callable[[], dict]) -> bool:
         """Every worker, after each step: count it and, when due, report a checkpoint (collective; rank 0 writes it,
         every worker calls ray.train.report, as Ray requires). state() gives the user's tensors. True: reported."""
+        if not self._steps:
+            raise RuntimeError("hetero: call ckpt.resume(bal, len(ds)) after bal.batch_sampler, before the first step")
         self.step += 1
         if self.step == self._steps:
             self.epoch, self.step = self.epoch + 1, 0

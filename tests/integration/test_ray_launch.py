@@ -167,8 +167,9 @@ def test_a_killed_worker_restarts_the_group_from_the_checkpoint_by_identity(tmp_
             psutil.Process(rows[-1]["pid"]).kill()
         return bool(killed)
 
-    _run(tmp_path, "--workers", "2", "--min-workers", "1", "--max-failures", "1", "--epochs", "3", "--hetero",
-         "0:delay=0.02,1:delay=0.06,1:slowdown=3", "--rebalance-every", "5", "--checkpoint-every", "5", watch=kill)
+    out = _run(tmp_path, "--workers", "2", "--min-workers", "1", "--max-failures", "1", "--epochs", "3", "--hetero",
+               "0:delay=0.02,1:delay=0.06,1:slowdown=3", "--rebalance-every", "5", "--checkpoint-every", "5",
+               watch=kill)
     _no_ray_left(since)
     assert killed, "the run ended before worker 1 reached the step to kill it at"
     killed_at = killed[0]
@@ -195,12 +196,14 @@ def test_a_killed_worker_restarts_the_group_from_the_checkpoint_by_identity(tmp_
           f"{resumed_s:.1f} s from the kill to the first new step; sizes there {mine['sizes']} (slow worker on "
           f"rank {mine['rank']})")
     assert {len(r["sizes"]) for r in after} == {2}  # on one machine Ray restarts the (1, 2) group at 2 workers
+    # why, in Ray's own words: the controller's lines on the group it starts (the killed worker's CPU is free again)
+    print("\n".join(sorted({ln.split("[0m")[-1].strip() for ln in out.splitlines() if "worker group of size" in ln})))
 
 
 def test_a_run_resized_through_restarts_keeps_the_global_batch_and_coverage(tmp_path):
     """One run (one storage and name) started three times: 2 workers for epoch 0, 1 worker for epoch 1, 2 again for
-    epoch 2. Ray Train v2 resumes each from the run's latest checkpoint; the global batch and the coverage of every
-    epoch stay those of the run, and the worker present throughout keeps its estimate by identity."""
+    epoch 2. Ray Train v2 resumes each from the run's latest checkpoint (the restart count says 2 at the end); the
+    global batch and the coverage of every epoch stay those of the run."""
     since = time.time()
     common = ["--hetero", "1:slowdown=3", "--rebalance-every", "5", "--checkpoint-every", "5"]
     for workers, epochs in (("2", "1"), ("1", "2"), ("2", "3")):
@@ -211,8 +214,10 @@ def test_a_run_resized_through_restarts_keeps_the_global_batch_and_coverage(tmp_
         assert {r["epoch"] for r in rows} == {epoch} and {len(r["sizes"]) for r in rows} == {world}
         assert all(sum(r["sizes"]) == B for r in rows)  # the same global batch on 2, 1 and 2 workers
         assert sorted(i for r in rows for i in r["idx"]) == list(range(SAMPLES)), f"epoch {epoch}"
-    # the fast worker (local rank 0) had a larger share at the end of epoch 0 and keeps it when the group grows
-    # back (its estimate came through the 1-worker start by identity; the returning worker starts neutral)
+    # the fast worker (local rank 0) had the larger share at the end of epoch 0 (2 workers) and again by the end of
+    # epoch 2: the returning worker starts neutral, so the group of 2 starts at an equal split and moves again
     end0 = max(_steps(tmp_path, 0), key=lambda r: r["step"])["sizes"]
-    regrown = min(_steps(tmp_path, 2), key=lambda r: r["step"])["sizes"]
-    assert end0[0] > end0[1] and regrown[0] >= regrown[1], (end0, regrown)
+    rows2 = sorted(_steps(tmp_path, 2), key=lambda r: r["step"])
+    assert end0[0] > end0[1] and rows2[0]["sizes"] == [B // 2, B // 2] and rows2[-1]["sizes"][0] > rows2[-1][
+        "sizes"][1], (end0, rows2[0]["sizes"], rows2[-1]["sizes"])
+    assert [json.loads((tmp_path / f"rec.rank{r}.json").read_text())["restarts"] for r in range(2)] == [2, 2]

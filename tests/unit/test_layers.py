@@ -84,6 +84,8 @@ def test_the_core_needs_torch_and_numpy_alone_and_environment_yml_agrees_with_py
                                                     if n != "hetero"}
     if "mkdocstrings" in pip_names:  # pip's mkdocstrings[python] is conda's mkdocstrings-python
         pip_names = pip_names - {"mkdocstrings"} | {"mkdocstrings-python"}
+    if "ray" in pip_names:  # pip's ray[train] is conda-forge's ray-train
+        pip_names = pip_names - {"ray"} | {"ray-train"}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]
     conda = {{"pytorch": "torch"}.get(n, n) for n in _names(d for d in env if isinstance(d, str))} - {"python", "pip"}
     assert conda == pip_names, (conda - pip_names, pip_names - conda)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..core.balance import Balance
+from ..core.metrics import metrics
 
 
 class BalanceCallback(Callback):
@@ -45,4 +46,7 @@ class BalanceCallback(Callback):
         self.balance.begin_step(batch_idx)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        self.balance.end_step()
+        decided = self.balance.end_step()
+        if decided is not None or trainer.global_step % trainer.log_every_n_steps == 0:  # the hetero/ read-out
+            for logger in trainer.loggers:  # through the trainer's loggers (which write on rank 0)
+                logger.log_metrics(metrics(self.balance), step=trainer.global_step)

@@ -1,0 +1,74 @@
+"""--tensorboard: TensorBoard event files in RUN_DIR/tensorboard, written by global rank 0 from the rows it writes
+to the run's tables, so a chart and its CSV hold the same numbers.
+
+    make experiment ... TENSORBOARD=1 && tensorboard --logdir runs/     # one run per folder, side by side
+
+The x axis is the global step: a step's scalars at (epoch - 1) x steps_per_epoch + step (steps.csv's rows: each
+rank's batch size, compute and wait), an epoch's at epoch x steps_per_epoch, the steps run by its end (epochs.csv's
+loss, accuracy and learning rate, ranks.csv's shares, and the read-out's predicted speedup and misallocation,
+hetero.core.metrics). Needs the [tensorboard] extra.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..core.metrics import metrics
+
+FOLDER = "tensorboard"
+# the read-out's keys an epoch adds: the per-step ones come from steps.csv's rows, the shares from ranks.csv's
+READ_OUT = ("predicted_step_s", "predicted_even_step_s", "predicted_speedup", "misallocation", "decisions",
+            "size_changes", "slowest_rank")
+EPOCH_KEYS = {"train_loss": "train/loss", "train_top1": "train/top1", "test_loss": "test/loss",
+              "test_top1": "test/top1", "test_top5": "test/top5", "lr": "train/lr", "epoch_time_s": "train/epoch_s",
+              "balance_eff": "hetero/balance_eff"}
+
+
+def available() -> bool:
+    """Whether tensorboard is installed (torch's SummaryWriter needs it)."""
+    from importlib.util import find_spec
+    return find_spec("tensorboard") is not None
+
+
+class Board:
+    """One SummaryWriter for the run folder; fed by Trainer._record with the rows of an epoch."""
+
+    def __init__(self, run_dir: Path, steps_per_epoch: int):
+        from torch.utils.tensorboard import SummaryWriter  # the [tensorboard] extra, checked by Config
+        self.steps_per_epoch = steps_per_epoch
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / FOLDER))
+
+    def watch(self, bal) -> None:
+        """After every step: the read-out notes each decision's prediction (no collective; a length compare)."""
+        metrics(bal)
+
+    def epoch(self, epoch: int, line: dict, ranks: list[dict], steps: list[dict], bal) -> None:
+        """One epoch's rows (epochs.csv's line, ranks.csv's and steps.csv's rows) and the read-out, flushed."""
+        w, first = self.writer, (epoch - 1) * self.steps_per_epoch
+        for r in steps:
+            x = first + r["step"]
+            for key in ("batch_size", "compute_s", "wait_s"):
+                w.add_scalar(f"hetero/rank{r['rank']}/{key}", r[key], x)
+        end = epoch * self.steps_per_epoch
+        for key, tag in EPOCH_KEYS.items():
+            w.add_scalar(tag, line[key], end)
+        for r in ranks:
+            w.add_scalar(f"hetero/rank{r['rank']}/share", r["share"], end)
+        read = metrics(bal)
+        for key in READ_OUT:
+            if f"hetero/{key}" in read:
+                w.add_scalar(f"hetero/{key}", read[f"hetero/{key}"], end)
+        for key, value in read.items():
+            if key.endswith("/idle_s"):
+                w.add_scalar(key, value, end)
+        w.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def progress(bal) -> str:
+    """The progress bar's postfix: every rank's share and the latest decision's predicted speedup."""
+    read = metrics(bal)
+    shares = "/".join(f"{b / bal.global_batch:.2f}" for b in bal.last_sizes)
+    speedup = read.get("hetero/predicted_speedup")
+    return f"shares {shares}" + (f" | predicted {speedup:.2f}x" if speedup is not None else "")

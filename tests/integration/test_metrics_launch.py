@@ -64,7 +64,7 @@ def _launch(script: str, args: list[str], timeout: float = 600) -> subprocess.Co
            str(ROOT / "examples" / script), *args]
     env = {**clean_env(threads="1"), "HF_HUB_OFFLINE": "1"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-20000:]}"
     return p
 
 

@@ -20,7 +20,10 @@ class BalanceMetrics(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and not any(k.startswith(("eval_", "test_")) for k in logs):  # training logs only
-            logs.update(metrics(self.balance))
+            read = metrics(self.balance)
+            logs.update(read)
+            if state.log_history:  # the Trainer recorded this log just before on_log: trainer_state.json keeps them
+                state.log_history[-1].update(read)
 
 
 def register(trainer: Trainer, balance) -> None:

@@ -33,9 +33,15 @@ class Board:
     """One SummaryWriter for the run folder; fed by Trainer._record with the rows of an epoch."""
 
     def __init__(self, run_dir: Path, steps_per_epoch: int):
-        from torch.utils.tensorboard import SummaryWriter  # the [tensorboard] extra, checked by Config
-        self.steps_per_epoch = steps_per_epoch
-        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / FOLDER))
+        self.folder, self.steps_per_epoch = Path(run_dir) / FOLDER, steps_per_epoch
+        self._writer = None  # opened at the first epoch's rows: the run folder is claimed and started by then
+
+    @property
+    def writer(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter  # the [tensorboard] extra, checked by Config
+            self._writer = SummaryWriter(log_dir=str(self.folder))
+        return self._writer
 
     def watch(self, bal) -> None:
         """After every step: the read-out notes each decision's prediction (no collective; a length compare)."""
@@ -43,6 +49,12 @@ class Board:
 
     def epoch(self, epoch: int, line: dict, ranks: list[dict], steps: list[dict], bal) -> None:
         """One epoch's rows (epochs.csv's line, ranks.csv's and steps.csv's rows) and the read-out, flushed."""
+        if epoch == 1 and self._writer is None and self.folder.is_dir():
+            # a run starting afresh (--overwrite): an earlier run's event files go, as its tables did (a resumed
+            # run's first job wrote none with rows before its first epoch ended)
+            for old in self.folder.glob("events.out.tfevents.*"):
+                if old.is_file() and not old.is_symlink():
+                    old.unlink()
         w, first = self.writer, (epoch - 1) * self.steps_per_epoch
         for r in steps:
             x = first + r["step"]
@@ -63,7 +75,8 @@ class Board:
         w.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 def progress(bal) -> str:

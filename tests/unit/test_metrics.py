@@ -130,3 +130,29 @@ def test_a_real_balance_reads_out_without_a_collective(tmp_path, monkeypatch):
         assert all(isinstance(v, float) for m in calls for v in m.values())
     finally:
         dist.destroy_process_group()
+
+
+def test_the_trainers_board_writes_the_rows_and_an_overwritten_run_starts_afresh(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hetero.trainer.board import Board, progress
+
+    bal = _Stub()
+    bal.decide([0.1, 0.3])
+    line = {"train_loss": 1.5, "train_top1": 0.4, "test_loss": 1.6, "test_top1": 0.3, "test_top5": 0.9, "lr": 0.1,
+            "epoch_time_s": 2.0, "balance_eff": 0.8}
+    steps = [{"epoch": 1, "step": s, "rank": r, "batch_size": 32, "compute_s": 0.1 * (r + 1) + s, "wait_s": 0.01}
+             for s in range(4) for r in range(2)]
+    ranks = [{"epoch": 1, "rank": r, "share": 0.5} for r in range(2)]
+    for loss in (1.5, 2.5):  # the same run folder twice: the second run starting afresh (--overwrite)
+        board = Board(tmp_path, steps_per_epoch=4)
+        board.epoch(1, {**line, "train_loss": loss}, ranks, steps, bal)
+        board.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(4, 2.5)]
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("hetero/rank1/compute_s")] == [
+        (s, round(0.2 + s, 6)) for s in range(4)]
+    assert acc.Scalars("hetero/predicted_speedup")[0].value == pytest.approx(2.0)
+    assert progress(bal) == "shares 0.75/0.25 | predicted 2.00x"

@@ -34,7 +34,7 @@ def scalars(folder) -> dict[str, dict[int, float]]:
 
 def test_trainer_event_files_hold_the_tables_numbers(tmp_path):
     run = tmp_path / "run"
-    run_train([*TINY, "--scheme", "edp", "--hetero", "1:delay=0.02", "--rebalance-every", "4", "--threads", "1",
+    run_train([*TINY, "--scheme", "edp", "--hetero", "1:slowdown=3", "--rebalance-every", "4", "--threads", "1",
                "--tensorboard", "--run-dir", str(run)], nproc=2)
     r, tb = read_run(run), scalars(run / "tensorboard")
     steps_per_epoch = int(r["steps"]["step"].max()) + 1
@@ -90,17 +90,18 @@ def test_lightning_logs_the_hetero_scalars_through_its_logger(tmp_path):
     rng = np.random.default_rng(0)
     for c in range(2):
         (data / f"c{c}").mkdir(parents=True)
-        for i in range(48):
-            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(data / f"c{c}" / f"{i}.png")
+        for i in range(64):
+            Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(data / f"c{c}" / f"{i}.png")
     logs = tmp_path / "logs"
-    _launch("lightning_example.py", ["--data", str(data), "--epochs", "2", "--global-batch", "16", "--size", "8",
+    _launch("lightning_example.py", ["--data", str(data), "--epochs", "2", "--global-batch", "32", "--size", "16",
                                      "--workers", "0", "--cpu", "--rebalance-every", "2", "--hetero", "1:slowdown=3",
                                      "--log-dir", str(logs)])
     csvs = sorted(logs.rglob("metrics.csv"))
     assert len(csvs) == 1, csvs  # rank 0 only
     m = pd.read_csv(csvs[0])
     rows = m.dropna(subset=["hetero/rank0/share"])
-    assert len(rows) >= 6 and np.allclose(rows["hetero/rank0/share"] + rows["hetero/rank1/share"], 1)
+    # batch norm needs 2 samples a rank: 32 per step keeps the slow rank's share (about a quarter) well above
+    assert len(rows) >= 4 and np.allclose(rows["hetero/rank0/share"] + rows["hetero/rank1/share"], 1)
     assert rows["hetero/rank1/share"].iloc[-1] < 0.5
-    assert rows["hetero/decisions"].max() == 6 * 2 // 2  # 6 steps per epoch, a decision every 2 steps, 2 epochs
+    assert rows["hetero/decisions"].max() == 4  # 4 steps per epoch, a decision every 2 steps, 2 epochs
     assert (rows.dropna(subset=["hetero/predicted_speedup"])["hetero/predicted_speedup"] > 1).any()

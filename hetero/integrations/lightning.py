@@ -46,7 +46,8 @@ class BalanceCallback(Callback):
         self.balance.begin_step(batch_idx)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        decided = self.balance.end_step()
-        if decided is not None or trainer.global_step % trainer.log_every_n_steps == 0:  # the hetero/ read-out
-            for logger in trainer.loggers:  # through the trainer's loggers (which write on rank 0)
-                logger.log_metrics(metrics(self.balance), step=trainer.global_step)
+        decided, every = self.balance.end_step(), trainer.log_every_n_steps
+        if trainer.loggers and (decided is not None or (every and trainer.global_step % every == 0)):
+            read = metrics(self.balance)  # the hetero/ read-out, through the trainer's loggers (rank 0 writes)
+            for logger in trainer.loggers:
+                logger.log_metrics(read, step=trainer.global_step)

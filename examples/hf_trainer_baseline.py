@@ -84,7 +84,8 @@ def main(args) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1))
     targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=args.global_batch // world,
                               num_train_epochs=args.epochs, max_steps=args.max_steps, learning_rate=args.lr,
-                              lr_scheduler_type="constant", logging_steps=args.log_every, report_to=[],
+                              lr_scheduler_type="constant", logging_steps=args.log_every,
+                              report_to=args.report_to.split(",") if args.report_to else [],
                               save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
                               disable_tqdm=True, seed=args.seed, remove_unused_columns=False,
                               dataloader_num_workers=args.workers, use_cpu=not torch.cuda.is_available(),
@@ -116,6 +117,7 @@ if __name__ == "__main__":
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--log-every", type=int, default=5, help="log the loss every this many steps")
+    p.add_argument("--report-to", default="", help='the Trainer\'s report_to, e.g. "tensorboard" (default: none)')
     p.add_argument("--eval-every", type=int, default=0, help="evaluate every this many steps (0: never)")
     p.add_argument("--eval-rows", type=int, default=64, help="rows after the training rows, for evaluation")
     p.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every this many steps (0: none)")

@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 import torchvision
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, Subset
 from torchvision import transforms
@@ -79,8 +80,9 @@ def main(args) -> int:
                         num_nodes=int(os.environ.get("WORLD_SIZE", devices)) // devices,
                         strategy=DDPStrategy(start_method="spawn" if args.spawn else "popen"),
                         use_distributed_sampler=False, gradient_clip_val=5.0,
-                        callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+                        callbacks=[hetero.BalanceCallback(bal)],
+                        logger=CSVLogger(args.log_dir) if args.log_dir else False, log_every_n_steps=args.log_every,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
     return 0
 
@@ -101,5 +103,7 @@ if __name__ == "__main__":
     p.add_argument("--devices", type=int, default=1, help="processes Lightning starts (ignored under torchrun)")
     p.add_argument("--spawn", action="store_true", help="Lightning's ddp_spawn launcher instead of ddp's")
     p.add_argument("--cpu", action="store_true", help="accelerator cpu (default: auto)")
+    p.add_argument("--log-dir", default="", help="a CSVLogger here (hetero's hetero/ numbers among them)")
+    p.add_argument("--log-every", type=int, default=50, help="log every this many steps")
     p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")
     sys.exit(main(p.parse_args()))

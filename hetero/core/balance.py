@@ -29,6 +29,7 @@ from .emulator import parse_hetero
 from .engine import Engine, emulated
 from .guard import OptimizerGuard
 from .hook import balance_hook
+from .metrics import metrics as read_out
 from .probe import probe_all
 from .records import Decision, StepRecord
 from .rules import whole
@@ -283,6 +284,11 @@ class Balance:
     def decisions(self) -> list[Decision]:
         """Every rebalancing decision so far, in order (identical on every rank)."""
         return self.engine.plan.decisions
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's `hetero/...` numbers for a logger (metrics.py): sizes, shares, times, the last decision's
+        predicted speedup and misallocation. No collective; cheap enough for every step."""
+        return read_out(self)
 
     def epoch_records(self) -> list[StepRecord]:
         """This epoch's finished steps so far, in order (reads the clocks: on CUDA, waits for their events)."""

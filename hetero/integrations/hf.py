@@ -41,6 +41,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..core import safeio
 from ..core.balance import Balance
+from .hf_metrics import register as register_metrics
 
 STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
 
@@ -57,6 +58,7 @@ class HeteroTrainer(Trainer):
         self.balance, self._token_share = balance, None  # (b) with counts: this step's share (get_batch_samples)
         super().__init__(*args, **kwargs)
         self.add_callback(_BalanceSteps(self))
+        register_metrics(self, balance)  # the hetero/ read-out in every training log (hf_metrics.py)
 
     # -- what the Trainer must not do with hetero -----------------------------------------------------------------
     def _refuse(self) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..core.balance import Balance
+from ..core.metrics import metrics
 
 
 class BalanceCallback(Callback):
@@ -50,7 +51,11 @@ class BalanceCallback(Callback):
         self.balance.engine.begin(batch_idx, from_loader=True)  # the batch is the sampler's: checked
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        self.balance.end_step()
+        decided, every = self.balance.end_step(), trainer.log_every_n_steps
+        if trainer.loggers and (decided is not None or (every and trainer.global_step % every == 0)):
+            read = metrics(self.balance)  # the hetero/ read-out, through the trainer's loggers (rank 0 writes)
+            for logger in trainer.loggers:
+                logger.log_metrics(read, step=trainer.global_step)
 
     def state_dict(self) -> dict:
         """The Balance's complete state (collective: Lightning calls it on every rank)."""

@@ -114,6 +114,9 @@ def checks(res: dict) -> list[dict]:
                     "pass": ov["ratio"] <= 1.03})
         out.append({"target": "api step <= 1.01 x plain DDP step (same DataLoader)", "value": ov["api_ratio"],
                     "pass": ov["api_ratio"] <= 1.01})
+        if "metrics_call_fraction" in ov:
+            out.append({"target": "metrics(bal) <= 1% of an API step (the call's own time)",
+                        "value": ov["metrics_call_fraction"], "pass": ov["metrics_call_fraction"] <= 0.01})
     if fs := res.get("fsdp_overhead"):
         out.append({"target": "api step <= 1.01 x plain FSDP2 step (same DataLoader)", "value": fs["ratio"],
                     "pass": fs["ratio"] <= 1.01})
@@ -176,6 +179,11 @@ def table(res: dict) -> str:
                   f"{1e3 * ov['ddp_loader_step_s']:.2f} ms/step: ratio {ov['api_ratio']:.3f} (median of "
                   f"{len(ov['api_pair_ratios'])} pairs; of medians {ov['api_ratio_of_medians']:.3f}), "
                   f"{ov['api_extra_ms_per_step']:+.2f} ms per step", ""]
+        if "metrics_ratio" in ov:
+            lines += [f"The read-out (metrics(bal), docs/metrics.md) on every other API step: steps with it / steps "
+                      f"without {ov['metrics_ratio']:.3f} (medians of {ov['metrics_steps']} interleaved steps each), "
+                      f"the call itself {1e6 * ov['metrics_call_s']:.0f} us = "
+                      f"{100 * ov['metrics_call_fraction']:.2f}% of a step", ""]
     if fs := res.get("fsdp_overhead"):
         lines += ["## FSDP2 overhead (no heterogeneity, 2 ranks, docs/fsdp.md)", "",
                   f"API (hetero.Balance on an FSDP2 root, edp, rebalancing every {fs['rebalance_every']} steps) "

@@ -1,7 +1,8 @@
 """Overheads over plain DDP (part of `make bench`): no heterogeneity, 2 ranks, the same model, batch, optimiser and
 DDP options, measured side by side in the same processes (docs/benchmarks.md). Two pairs: the built-in trainer
 against a plain loop over the same data tensor, and the public API (hetero.Balance, edp, rebalancing every
-REBALANCE_EVERY steps) against plain DDP through the same DataLoader (a DistributedSampler there).
+REBALANCE_EVERY steps) against plain DDP through the same DataLoader (a DistributedSampler there). Inside the API's
+loop, the read-out (hetero.core.metrics) is called on every other step, so steps with and without it interleave.
 
     torchrun --standalone --nproc-per-node=2 -m hetero.lab.overhead --out FILE --subset N --global-batch B --epochs E
 """
@@ -35,6 +36,7 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
     from tqdm import tqdm
 
     from ..core.balance import Balance
+    from ..core.metrics import metrics
     from ..trainer.config import Config
     from ..trainer.data import load_data
     from ..trainer.dist import setup, teardown, wrap_ddp
@@ -101,7 +103,16 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
                         F.cross_entropy(m(x), y).backward()
                         o.step()
                         o.zero_grad(set_to_none=True)
-                    spent[kind] += time.perf_counter() - t0
+                    read = kind == "api" and (step // 2) % 2  # two with, two without: each in either order
+                    call_s = 0.0
+                    if read:  # the read-out, as a logger calls it after a step
+                        t1 = time.perf_counter()
+                        metrics(bal)
+                        call_s = time.perf_counter() - t1
+                        read_s["call_s"].append(call_s)
+                    spent[kind] += time.perf_counter() - t0 - call_s  # the API's own ratio leaves the call out
+                    if kind == "api" and epoch > 1:
+                        read_s["with_s" if read else "without_s"].append(time.perf_counter() - t0)
             return spent["api"], spent["ddp_loader"]
 
         def trainer_epoch(epoch: int) -> float:
@@ -112,6 +123,7 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
             return r.train_s
 
         run = {"trainer": trainer_epoch, "plain": plain_epoch}
+        read_s: dict[str, list[float]] = {"with_s": [], "without_s": [], "call_s": []}  # API steps, epoch 1 left out
         epoch_s: dict[str, list[float]] = {k: [] for k in KINDS}
         for epoch in range(1, epochs + 1):
             for kind in (("trainer", "plain") if epoch % 2 else ("plain", "trainer")):  # back to back, in turn
@@ -121,7 +133,8 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
             epoch_s["ddp_loader"].append(ddp_s)
         if world.is_main:
             safeio.write_text(out, json.dumps({"epoch_s": epoch_s, "steps": steps, "world": world.size,
-                                               "api_sizes": [d.sizes for d in bal.decisions]}))
+                                               "api_sizes": [d.sizes for d in bal.decisions],
+                                               "metrics": read_s}))
         ok = True
     finally:
         teardown(ok)
@@ -130,8 +143,10 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
 def measure(out: Path, repeats: int, subset: int, global_batch: int, epochs: int, notes: list[str]) -> dict:
     """Trainer step time over the plain loop's, for 2 ranks: the median over the back-to-back epoch pairs after each
     launch's first (slow changes of load cancel), with the medians, minima and pair ratios; and the same for the
-    API's step over plain DDP's through the same DataLoader (api_*)."""
+    API's step over plain DDP's through the same DataLoader (api_*); and the API's steps that call the read-out
+    (metrics(bal)) over those that do not, interleaved, with the call's own median time (metrics_*)."""
     world, ratios, api_ratios, step_s = 2, [], [], {k: [] for k in KINDS}
+    read_s: dict[str, list[float]] = {"with_s": [], "without_s": [], "call_s": []}
     for r in range(repeats):
         name = f"overhead-{r}"
         print(f"bench: {name}", flush=True)
@@ -146,7 +161,11 @@ def measure(out: Path, repeats: int, subset: int, global_batch: int, epochs: int
         api_ratios += (per["api"] / per["ddp_loader"]).tolist()
         for k in KINDS:
             step_s[k] += per[k].tolist()
+        for k in read_s:
+            read_s[k] += d["metrics"][k]
     med = {k: float(np.median(v)) for k, v in step_s.items()}
+    with_s, without_s = (float(np.median(read_s[k])) if read_s[k] else float("nan") for k in ("with_s", "without_s"))
+    call_s = float(np.median(read_s["call_s"])) if read_s["call_s"] else float("nan")
     return {"world": world, "global_batch": global_batch, "ratio": float(np.median(ratios)),
             "ratio_of_medians": med["trainer"] / med["plain"],
             "ratio_of_minima": min(step_s["trainer"]) / min(step_s["plain"]), "trainer_step_s": med["trainer"],
@@ -154,7 +173,9 @@ def measure(out: Path, repeats: int, subset: int, global_batch: int, epochs: int
             "pair_ratios": ratios, "step_s": step_s, "api_ratio": float(np.median(api_ratios)),
             "api_ratio_of_medians": med["api"] / med["ddp_loader"], "api_step_s": med["api"],
             "ddp_loader_step_s": med["ddp_loader"], "api_extra_ms_per_step": 1e3 * (med["api"] - med["ddp_loader"]),
-            "api_pair_ratios": api_ratios, "api_rebalance_every": REBALANCE_EVERY}
+            "api_pair_ratios": api_ratios, "api_rebalance_every": REBALANCE_EVERY,
+            "metrics_ratio": with_s / without_s, "metrics_call_s": call_s, "metrics_call_fraction": call_s / without_s,
+            "metrics_steps": len(read_s["with_s"])}
 
 
 def main(argv: list[str] | None = None) -> int:

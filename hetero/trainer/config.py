@@ -129,6 +129,8 @@ class Config:
     eval_batch: int = _opt(1000, "per-rank evaluation batch size")
     bf16: bool = _opt(False, "bf16 autocast for forward and loss (GPU fast path)")
     channels_last: bool = _opt(False, "channels-last memory format for model and batches (GPU fast path)")
+    tensorboard: bool = _opt(False, "also write TensorBoard event files into RUN_DIR/tensorboard (rank 0; the "
+                                    "[tensorboard] extra)")
 
     def __post_init__(self):
         from ..core.emulator import longest_delay_s, parse_hetero
@@ -191,6 +193,10 @@ class Config:
             v = getattr(self, name)
             if not (0 <= v < 1):
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1) (got {v})")
+        if self.tensorboard:
+            from .board import available
+            if not available():
+                raise ConfigError("--tensorboard needs the tensorboard package: pip install 'hetero[tensorboard]'")
         if self.subset and self.subset < self.global_batch:
             raise ConfigError(f"--subset {self.subset} is smaller than the global batch {self.global_batch}")
         try:

@@ -26,6 +26,7 @@ from ..core.balance import Balance
 from ..core.emulator import within
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
+from .board import Board, progress
 from .checkpoint import balance_world
 from .config import Config
 from .data import DataSet, DeviceLoader
@@ -191,6 +192,9 @@ class Trainer:
                                    nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
         self.folder = RunFolder(run_dir) if world.is_main else None
+        # --tensorboard: event files beside the tables, from the same rows (board.py)
+        self.board = Board(run_dir, len(self.train_loader) // cfg.global_batch) if cfg.tensorboard and \
+            world.is_main else None
         self.epoch, self.train_time_s = 0, 0.0
         self.saved_epoch = 0  # the last epoch in the checkpoint: what a summary may claim as completed
         self.history: list[EpochRow] = []
@@ -278,7 +282,10 @@ class Trainer:
                     sums += torch.stack([loss.detach().double() * len(y), (out.argmax(1) == y).sum().double() * counts])
                     first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
                                             torch.full_like(first_bad, step), first_bad)
+            if self.board is not None:
+                self.board.watch(bal)  # each decision's prediction, for the epoch's misallocation
             if bar is not None:
+                bar.set_postfix_str(progress(bal), refresh=False)  # shares and predicted speedup
                 bar.update(1)
             if self.first_step_time is None:  # a restart's recovery ends here (make bench: recovery)
                 self.first_step_time = time.time()
@@ -374,6 +381,8 @@ class Trainer:
             if w.is_main:
                 self.folder.write_json("summary.json", self.summary("running"))
                 print(self._line(row), flush=True)
+        if self.board is not None:
+            self.board.close()
         return self.summary("completed")
 
     def _record(self, epoch: int, r: EpochResult, ev: torch.Tensor, eval_s: float, lr: float) -> EpochRow:
@@ -400,6 +409,8 @@ class Trainer:
         self.folder.append("epochs", [line])
         self.folder.append("ranks", ranks)
         self.folder.append("steps", steps)
+        if self.board is not None:
+            self.board.epoch(epoch, line, ranks, steps, self.balance)
         return row
 
     def _line(self, row: EpochRow) -> str:

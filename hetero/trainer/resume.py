@@ -17,7 +17,7 @@ from .runfolder import epochs_done, read_config
 # The per-rank ones (device, threads, affinity, max_batch) may be given anew for another world size; a recorded list
 # of one value per rank does not carry over to another world (whose ranks are other workers), it is refused.
 RESUMABLE = ("epochs", "timeout_s", "device", "backend", "threads", "affinity", "eval_batch", "data_dir",
-             "max_batch", "checkpoint_every")
+             "max_batch", "checkpoint_every", "tensorboard")
 PER_RANK = ("device", "threads", "affinity", "max_batch")
 FOLDER = ("resume", "run_dir", "overwrite")  # where the run is, not what it computes
 

@@ -1,0 +1,158 @@
+"""The read-out (hetero.core.metrics): its numbers against the cost model worked out by hand, its bookkeeping of
+decisions, and no collective on any call (a real Balance in a one-process gloo group)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hetero.core.balancer import Balancer
+from hetero.core.metrics import PER_RANK_MAX, metrics, predicted
+from hetero.core.records import Decision, StepRecord
+
+
+def _affine_window(a, c, sizes) -> tuple[np.ndarray, np.ndarray]:
+    """Steps at the given [steps, world] sizes timed exactly t = a + c b."""
+    b = np.asarray(sizes, float)
+    return b, np.asarray(a) + np.asarray(c) * b
+
+
+def test_predicted_is_the_affine_fit_at_the_chosen_and_at_the_even_sizes():
+    a, c = np.array([0.010, 0.050]), np.array([1e-3, 1e-3])  # rank 1: 40 ms more per step, same per sample
+    bal = Balancer("affine", 2, 64)
+    b, t = _affine_window(a, c, [bal.sizes_for_step(s) for s in range(16)])  # the probe's two sizes
+    bal.observe(b, t)
+    bal.decide()
+    chosen, even = predicted(bal)
+    assert bal.sizes.tolist() == [52, 12]  # 0.01 + 52e-3 = 0.062 = 0.05 + 12e-3
+    assert chosen == pytest.approx(max(a + c * bal.sizes))
+    assert even == pytest.approx(0.050 + 32e-3)
+    assert even / chosen == pytest.approx(0.082 / 0.062)
+
+
+def test_predicted_is_the_proportional_model_for_dp_and_edp():
+    bal = Balancer("proportional", 2, 64)
+    bal.observe([[32, 32]] * 4, [[0.1, 0.3]] * 4)  # rank 1 three times slower per sample
+    bal.decide()
+    chosen, even = predicted(bal)
+    assert bal.sizes.tolist() == [48, 16]
+    assert chosen == pytest.approx(max(0.1 / 32 * 48, 0.3 / 32 * 16))
+    assert even == pytest.approx(0.3)
+    assert predicted(Balancer("proportional", 2, 64)) is None  # before a decision: no model
+    assert predicted(Balancer("static", 2, 64)) is None
+
+
+class _Stub:
+    """The public names the read-out reads, over a real Balancer: two ranks, this one rank 1."""
+
+    def __init__(self, rule: str = "proportional", world: int = 2):
+        self.rank, self.size, self.global_batch = 1, world, 64
+        self.balancer = Balancer(rule, world, 64)
+        self.decisions: list[Decision] = []
+        self.records: list[StepRecord] = []
+        self.last_sizes = self.balancer.sizes.tolist()
+
+    def epoch_records(self):
+        return self.records
+
+    def decide(self, compute_s):
+        """A window of 4 steps at the current sizes with these per-rank step times, then a decision."""
+        sizes = self.balancer.sizes.copy()
+        self.balancer.observe([sizes] * 4, [compute_s] * 4)
+        self.balancer.decide()
+        self.decisions.append(Decision(0, 3, 4, self.balancer.sizes.tolist(), self.balancer.shares.tolist(),
+                                       list(compute_s)))
+        self.last_sizes = self.balancer.sizes.tolist()
+        self.records.append(StepRecord(0, 3, sizes, compute_s[self.rank], 0.25, 0.0))
+
+
+def test_the_read_out_of_two_decisions():
+    bal = _Stub()
+    first = metrics(bal)
+    assert first["hetero/batch_size"] == 32 and first["hetero/share"] == 0.5 and first["hetero/decisions"] == 0
+    assert "hetero/predicted_speedup" not in first and "hetero/compute_s" not in first
+    bal.decide([0.1, 0.3])
+    m = metrics(bal)
+    assert m["hetero/batch_size"] == 16 and m["hetero/share"] == 0.25  # this rank (1), the slow one
+    assert [m["hetero/rank0/batch_size"], m["hetero/rank1/batch_size"]] == [48, 16]
+    assert m["hetero/compute_s"] == 0.3 and m["hetero/wait_s"] == 0.25
+    assert [m["hetero/rank0/compute_s"], m["hetero/rank1/compute_s"]] == [0.1, 0.3]
+    assert [m["hetero/rank0/idle_s"], m["hetero/rank1/idle_s"]] == pytest.approx([0.2, 0.0])
+    assert m["hetero/slowest_rank"] == 1
+    assert m["hetero/predicted_step_s"] == pytest.approx(0.15)  # 0.1/32*48 = 0.3/32*16
+    assert m["hetero/predicted_speedup"] == pytest.approx(2.0)
+    assert m["hetero/decisions"] == 1 and m["hetero/size_changes"] == 1
+    assert "hetero/misallocation" not in m  # nothing predicted the first window
+    bal.decide([0.15, 0.18])  # at 48/16: rank 1 came out 20% slower than the model said
+    m = metrics(bal)
+    assert m["hetero/misallocation"] == pytest.approx(0.18 / 0.15)
+    assert m["hetero/decisions"] == 2
+    assert m["hetero/size_changes"] == (2 if bal.decisions[1].sizes != [48, 16] else 1)
+
+
+def test_a_decision_passed_over_leaves_no_misallocation_and_large_worlds_are_summarised():
+    bal = _Stub()
+    metrics(bal)
+    bal.decide([0.1, 0.3])
+    bal.decide([0.15, 0.18])  # two decisions between calls: the first one's prediction is gone
+    assert "hetero/misallocation" not in metrics(bal)
+    big = _Stub(world=PER_RANK_MAX + 1)
+    m = metrics(big)
+    assert not any(k.startswith("hetero/rank") for k in m)
+    assert m["hetero/min_share"] == min(big.last_sizes) / 64 and m["hetero/max_share"] == max(big.last_sizes) / 64
+    assert any(k.startswith("hetero/rank") for k in metrics(big, per_rank=True))
+
+
+def test_a_real_balance_reads_out_without_a_collective(tmp_path, monkeypatch):
+    """One gloo rank: decisions every 2 steps; every collective is refused while metrics() runs."""
+    import hetero
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+        bal = hetero.Balance(global_batch=8, scheme="edp", rebalance_every=2)
+        bal.attach(model)
+        sampler = bal.batch_sampler(32)
+        bal.set_epoch(0)
+        calls = []
+        for idx in sampler:
+            with bal.step(len(idx)):
+                model(torch.randn(len(idx), 4)).sum().backward()
+            with monkeypatch.context() as mp:
+                for name in ("all_gather", "all_reduce", "broadcast", "all_gather_object", "gather", "barrier"):
+                    mp.setattr(dist, name, lambda *a, _n=name, **k: pytest.fail(f"metrics() ran {_n}"))
+                calls.append(metrics(bal))
+        assert [m["hetero/decisions"] for m in calls] == [0, 1, 1, 2]
+        last = calls[-1]
+        assert last["hetero/batch_size"] == 8 and last["hetero/share"] == 1.0
+        assert last["hetero/compute_s"] == bal.epoch_records()[-1].compute_s
+        assert last["hetero/predicted_speedup"] == pytest.approx(1.0)  # one rank: the even split is the split
+        assert all(isinstance(v, float) for m in calls for v in m.values())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_trainers_board_writes_the_rows_and_an_overwritten_run_starts_afresh(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from hetero.trainer.board import Board, progress
+
+    bal = _Stub()
+    bal.decide([0.1, 0.3])
+    line = {"train_loss": 1.5, "train_top1": 0.4, "test_loss": 1.6, "test_top1": 0.3, "test_top5": 0.9, "lr": 0.1,
+            "epoch_time_s": 2.0, "balance_eff": 0.8}
+    steps = [{"epoch": 1, "step": s, "rank": r, "batch_size": 32, "compute_s": 0.1 * (r + 1) + s, "wait_s": 0.01}
+             for s in range(4) for r in range(2)]
+    ranks = [{"epoch": 1, "rank": r, "share": 0.5} for r in range(2)]
+    for loss in (1.5, 2.5):  # the same run folder twice: the second run starting afresh (--overwrite)
+        board = Board(tmp_path, steps_per_epoch=4)
+        board.epoch(1, {**line, "train_loss": loss}, ranks, steps, bal)
+        board.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(4, 2.5)]
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("hetero/rank1/compute_s")] == [
+        (s, round(0.2 + s, 6)) for s in range(4)]
+    assert acc.Scalars("hetero/predicted_speedup")[0].value == pytest.approx(2.0)
+    assert progress(bal) == "shares 0.75/0.25 | predicted 2.00x"

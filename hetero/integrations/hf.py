@@ -13,17 +13,17 @@ What it changes in the Trainer (docs/huggingface.md):
 - training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
 - hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...).
 
-The two loss conventions, and the count each weight uses:
-(a) the Trainer normalised the loss over every rank: a model taking num_items_in_batch (or a compute_loss_func),
-    average_tokens_across_devices=True (the default), labels in the batch. The Trainer gathers the global count N
-    of valid label tokens (shifted when the model's loss_type is a causal-LM loss), each rank's loss is
-    world * (its token-loss sum) / N, and DDP's mean over ranks gives the exact global token mean. hetero must not
-    weight again: weight 1/world.
-(b) each rank's loss is its own mean: a model without num_items_in_batch, or average_tokens_across_devices=False.
-    Where the Trainer counted this rank's valid tokens n_i (a model taking num_items_in_batch), the weight is the
-    token share n_i / sum(n) (one scalar all-reduce per step, before the step clock starts): exact with padding.
-    Otherwise the sample share b_i/B, exact when every sample counts alike in the loss (a per-sample mean, or
-    unpadded token rows).
+The loss conventions, decided at each train()'s first step from what the loss does (hf_loss.decide, collective),
+not from the forward's signature (BERT's forward(**kwargs) takes num_items_in_batch and never reads it):
+(a) the loss divides by the Trainer's count ("trainer"), average_tokens_across_devices=True (the default): the
+    Trainer gathers the global count N, each rank's loss is world * (its token-loss sum) / N, and DDP's mean over
+    ranks is the exact global token mean. hetero must not weight again: weight 1/world.
+(b) the loss divides by the Trainer's count, average_tokens_across_devices=False: each rank's loss is its own sum
+    over its count n_i; the weight is the count share n_i / sum(n) (one scalar all-reduce per step).
+(c) the loss is a mean over a count of its own ("tokens", "shifted" or "rows", found by the probe): the weight is
+    this rank's share of that count (an all-reduce for tokens; b_i/B for rows), divided by world where the Trainer
+    multiplied the loss by world taking it for (a).
+A loss that fits none (an extra term, a sum) is refused in one line naming the class, on every rank.
 """
 from __future__ import annotations
 
@@ -41,20 +41,21 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..core import safeio
 from ..core.balance import Balance
+from . import hf_loss
 
 STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
-
-
-def _rows(inputs: dict[str, Any]) -> int | None:
-    """The batch's number of samples (the first dimension of its first tensor), None without tensors."""
-    return next((len(v) for v in inputs.values() if torch.is_tensor(v) and v.dim()), None)
 
 
 class HeteroTrainer(Trainer):
     """transformers.Trainer with hetero's per-rank batch sizes, b_i/B (or token-share) weighting and rebalancing."""
 
     def __init__(self, *args, balance: Balance, **kwargs):
-        self.balance, self._token_share = balance, None  # (b) with counts: this step's share (get_batch_samples)
+        if not isinstance(balance, Balance):
+            raise TypeError(f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
+                            f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")
+        self.balance = balance
+        self._loss_kind: str | None = None  # what the loss does with the Trainer's count (hf_loss.decide), per train()
+        self._share: float | None = None  # this step's share of the count the loss averages over (get_batch_samples)
         super().__init__(*args, **kwargs)
         self.add_callback(_BalanceSteps(self))
 
@@ -84,6 +85,7 @@ class HeteroTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """Trainer.train, and hetero's sizes and decisions read back from the checkpoint folder when resuming."""
         self._refuse()
+        self._loss_kind = None  # decided again at the first step: the model may have changed
         if resume_from_checkpoint is True:  # resolved here as the Trainer does, to read hetero's file from it
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -119,37 +121,52 @@ class HeteroTrainer(Trainer):
                           worker_init_fn=partial(seed_worker, num_workers=workers, rank=a.process_index))
 
     # -- one step: the weight of this rank's gradient ---------------------------------------------------------
-    def _counted(self, num_items_in_batch) -> bool:
-        """Whether the loss is normalised by the Trainer's count of valid label tokens (as compute_loss decides)."""
-        return num_items_in_batch is not None and bool(self.model_accepts_loss_kwargs or self.compute_loss_func)
+    def _scaled(self, num_items_in_batch) -> bool:
+        """Whether compute_loss multiplied this rank's loss by world (the Trainer's token averaging across devices)."""
+        counted = num_items_in_batch is not None and bool(self.model_accepts_loss_kwargs or self.compute_loss_func)
+        return counted and self.args.average_tokens_across_devices
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The Trainer's batches and token count; in (b) with a count, also this rank's token share, all-reduced
-        here beside the Trainer's own gather (a) so that the wait falls before the step clock starts."""
+        """The Trainer's batches and count; at a train()'s first step also what the loss does with the count
+        (hf_loss.decide), and at every step this rank's share of the count its loss averages over. Both are
+        collective and run here, beside the Trainer's own gather, so that their waits fall before the step clock."""
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._token_share = None
-        if self._counted(num_items) and not self.args.average_tokens_across_devices and batches:
-            dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
-            n = torch.as_tensor(num_items, dtype=torch.float64).detach().to(dev).reshape(1)
+        if not batches:
+            return batches, num_items
+        dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
+        passed = num_items if self.model_accepts_loss_kwargs or self.compute_loss_func else None
+        if self._loss_kind is None:
+            self._loss_kind = hf_loss.decide(self, batches[0], passed, dev)
+        kind, own = self._loss_kind, None
+        if kind == "trainer" and passed is not None and not self.args.average_tokens_across_devices:
+            own = float(num_items)  # (b) with the Trainer's count: this rank's own (not gathered)
+        elif kind in ("tokens", "shifted"):
+            own = float(sum(hf_loss.count(b, kind) for b in batches))
+        self._share = None
+        if own is not None:
+            n = torch.tensor([own], dtype=torch.float64, device=dev)
             total = n.clone()
             dist.all_reduce(total)
-            self._token_share = float(n / total) if total.item() else 1.0 / self.balance.size
+            self._share = float(n / total) if total.item() else 1.0 / self.balance.size
         return batches, num_items
 
     def gradient_weight(self, inputs: dict[str, Any], num_items_in_batch) -> float:
-        """This rank's gradient weight for the step (the weights sum to 1 over ranks; module docstring: (a), (b))."""
+        """This rank's gradient weight for the step (module docstring: (a), (b)); the ranks' weights, times the
+        factor world by which the Trainer scaled a loss it took for token-normalised, sum to 1."""
         bal = self.balance
+        if self._loss_kind == "trainer":  # the loss divides by the Trainer's count
+            if not bal.scheme.weighted or self.args.average_tokens_across_devices:
+                return 1.0 / bal.size  # (a): the Trainer normalised over every rank; DDP's mean is exact
+            return self._share  # (b): this rank's share of the step's counted tokens
+        # a mean over its own count: this rank's share of it, undoing the Trainer's world factor where applied
+        share = self._share if self._share is not None else bal.last_sizes[bal.rank] / bal.global_batch
         if not bal.scheme.weighted:
-            return 1.0 / bal.size  # sync: DDP's mean, as plain DDP
-        if self._counted(num_items_in_batch) and self.args.average_tokens_across_devices:
-            return 1.0 / bal.size  # (a): compute_loss scaled the loss by world, over the global token count
-        if self._counted(num_items_in_batch) and self._token_share is not None:
-            return self._token_share  # (b) with counts: this rank's share of the step's valid tokens
-        return bal.last_sizes[bal.rank] / bal.global_batch  # (b): this rank's share of the samples
+            share = 1.0 / bal.size
+        return share / (bal.size if self._scaled(num_items_in_batch) else 1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         bal = self.balance
-        rows, want = _rows(inputs), bal.last_sizes[bal.rank]
+        rows, want = hf_loss.rows(inputs), bal.last_sizes[bal.rank]
         if rows is not None and rows != want:
             raise RuntimeError(f"hetero: step got {rows} samples, the schedule says {want}: is the train "
                                f"DataLoader HeteroTrainer's own?")

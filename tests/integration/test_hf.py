@@ -200,3 +200,12 @@ def test_set_weight_replaces_the_step_weight_and_needs_a_step(monkeypatch):
     assert bal.weight == SIZES[1] / B      # b_i/B, replaced below for this step only
     bal.set_weight(0.5)
     assert bal.weight == 0.5
+
+
+@pytest.mark.parametrize("balance", ["edp", None, 32])
+def test_a_balance_that_is_not_a_balance_is_one_line(tmp_path, balance):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(TypeError) as e:
+        HeteroTrainer(model=MeanLoss(), args=args, train_dataset=Points(), balance=balance)
+    assert str(e.value) == (f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
+                            f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")

@@ -41,9 +41,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..core import safeio
 from ..core.balance import Balance
-from . import hf_loss
+from . import hf_loss, hf_resume
 
-STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
+STATE_NAME = hf_resume.STATE_NAME  # in each checkpoint-N folder, beside trainer_state.json
 
 
 class HeteroTrainer(Trainer):
@@ -53,7 +53,7 @@ class HeteroTrainer(Trainer):
         if not isinstance(balance, Balance):
             raise TypeError(f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
                             f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")
-        self.balance = balance
+        self.balance, self._resumed = balance, None  # _resumed: hetero's checkpoint state, applied at train begin
         self._loss_kind: str | None = None  # what the loss does with the Trainer's count (hf_loss.decide), per train()
         self._share: float | None = None  # this step's share of the count the loss averages over (get_batch_samples)
         super().__init__(*args, **kwargs)
@@ -90,12 +90,9 @@ class HeteroTrainer(Trainer):
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"hetero: no checkpoint in {self.args.output_dir} to resume from")
-        if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, STATE_NAME)
-            if not os.path.isfile(path):
-                raise ValueError(f"hetero: {resume_from_checkpoint} has no {STATE_NAME}: it was not saved by "
-                                 f"HeteroTrainer")
-            self.balance.load_state_dict(torch.load(path, weights_only=True))
+        self._resumed = hf_resume.read(resume_from_checkpoint) if resume_from_checkpoint else None
+        if self._resumed is not None:  # hetero's sampler starts at the saved step: the Trainer must not skip again
+            self.args.ignore_data_skip = True
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     # -- the data: hetero's batch sampler, not sharded again by accelerate ------------------------------------
@@ -182,6 +179,7 @@ class _BalanceSteps(TrainerCallback):
 
     def __init__(self, trainer: HeteroTrainer):
         self.trainer, self.epoch, self._ddp = trainer, 0, None
+        self.fixed_until = 0  # the first position whose sizes a resumed checkpoint did not fix (hf_resume)
 
     def on_train_begin(self, args, state, control, **kwargs):
         bal, ddp = self.trainer.balance, self.trainer.model_wrapped
@@ -194,6 +192,9 @@ class _BalanceSteps(TrainerCallback):
         if ddp is not self._ddp:  # a second train() on the same DDP model keeps its hook (DDP takes one)
             bal.attach(ddp)
             self._ddp = ddp
+        if self.trainer._resumed is not None:  # after attach (the workers' identities) and the sampler (its length)
+            self.fixed_until = hf_resume.restore(bal, self.trainer._resumed)
+            self.trainer._resumed = None
         self.epoch = state.global_step // bal.steps_per_epoch  # a resumed run starts inside its epoch
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -204,13 +205,18 @@ class _BalanceSteps(TrainerCallback):
         bal.begin_step(state.global_step - self.epoch * bal.steps_per_epoch)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.balance.end_step()  # after the optimizer step; decides every K steps and at the epoch's end
+        bal = self.trainer.balance
+        bal.end_step()  # after the optimizer step; decides every K steps and at the epoch's end
+        # the Trainer counts the epoch's fraction from its own batch counter, which a resume without its data skip
+        # (hf_resume) restarts at 0: the fraction from hetero's steps instead
+        state.epoch = self.epoch + (state.global_step - self.epoch * bal.steps_per_epoch) / bal.steps_per_epoch
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self.epoch += 1
 
     def on_save(self, args, state, control, **kwargs):
+        saved = hf_resume.checkpoint(self.trainer.balance, state.global_step, self.fixed_until)  # every rank
         if args.should_save:  # the folder _save_checkpoint just wrote (hyperparameter search runs elsewhere)
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            state = self.trainer.balance.state_dict()  # written beside the Trainer's files, never through a link
-            safeio.atomic_write(Path(folder) / STATE_NAME, lambda f: torch.save(state, f))
+            # written beside the Trainer's files, never through a link
+            safeio.atomic_write(Path(folder) / hf_resume.STATE_NAME, lambda f: torch.save(saved, f))

@@ -74,15 +74,24 @@ def test_accelerate_example_runs_under_accelerate_launch(tmp_path):
 
 
 def test_a_resumed_trainer_run_keeps_hetero_sizes_and_coverage(tmp_path):
-    """Stopped after the checkpoint at step 13 (epoch 1, step 3), resumed from it with resume_from_checkpoint."""
-    out = ["--out", str(tmp_path / "out"), *HETERO]
-    first = _launch("hf_trainer.py", tmp_path, *out, "--max-steps", "13", "--save-steps", "13", name="first")
-    assert (tmp_path / "out" / "checkpoint-13" / "hetero_balance.pt").is_file()
+    """With 2 DataLoader workers running ahead, the first decision, after step 4, takes effect a few steps later
+    (about 9). Stopped at the checkpoint at step 6, before that, and resumed from it: steps 6 up to the effective
+    step keep the even split in force at the checkpoint, the decision's sizes apply from then on, and every sample
+    of the interrupted epoch is consumed once (hetero's sampler starts at the saved step; the Trainer does not skip
+    batches itself)."""
+    out = ["--out", str(tmp_path / "out"), *HETERO, "--workers", "2"]
+    first = _launch("hf_trainer.py", tmp_path, *out, "--max-steps", "6", "--save-steps", "6", name="first")
+    assert (tmp_path / "out" / "checkpoint-6" / "hetero_balance.pt").is_file()
     second = _launch("hf_trainer.py", tmp_path, *out, "--resume", name="second")
-    assert sorted(first[0]["seen"]["0"] + first[1]["seen"]["0"]) == list(range(SUBSET))
-    epoch1 = [i for run in (first, second) for rank in run for i in rank["seen"]["1"]]
-    assert sorted(epoch1) == list(range(SUBSET)), "the resumed epoch: not every sample exactly once"
-    decided = first[0]["decisions"][-1]["sizes"]                 # in force from step 10 on
-    assert decided[1] < B // 2 - 4                               # rebalanced before the checkpoint
-    assert [r["batches"][0] for r in second] == [[13, decided[0]], [13, decided[1]]]  # the resumed step's sizes
-    assert [r["batches"][-1][0] for r in second] == [2 * STEPS - 1] * 2
+    epoch0 = [i for run in (first, second) for rank in run for i in rank["seen"].get("0", [])]
+    assert sorted(epoch0) == list(range(SUBSET)), "the resumed epoch: not every sample exactly once"
+    assert sorted(second[0]["seen"]["1"] + second[1]["seen"]["1"]) == list(range(SUBSET))
+    [decided] = first[0]["decisions"]
+    effective, even = decided["effective"], [B // 2, B // 2]
+    assert (decided["epoch"], decided["step"]) == (0, 4) and decided["sizes"] != even
+    assert 6 < effective < STEPS, f"the decision took effect at {effective}: the checkpoint is not before it"
+    for rank, run in enumerate(second):
+        sizes = dict(map(tuple, run["batches"]))  # step -> this rank's batch size
+        assert sorted(sizes) == list(range(6, 2 * STEPS))
+        assert [sizes[s] for s in range(6, effective)] == [even[rank]] * (effective - 6)
+        assert sizes[effective] == decided["sizes"][rank]

@@ -11,7 +11,7 @@ What it changes in the Trainer (docs/huggingface.md):
 - a callback brackets every optimizer step (begin_step at on_step_begin, end_step at on_step_end: the step clock,
   decisions every K steps and at epoch ends) and attaches the comm hook to the Trainer's DDP model;
 - training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
-- hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...).
+- hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...) (hf_resume.py).
 
 The loss conventions, decided at each train()'s first step from what the loss does (hf_loss.decide, collective),
 not from the forward's signature (BERT's forward(**kwargs) takes num_items_in_batch and never reads it):

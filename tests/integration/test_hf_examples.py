@@ -59,8 +59,13 @@ def test_trainer_example_covers_every_sample_moves_shares_and_learns_like_the_tr
 
 
 def test_accelerate_example_covers_every_sample_moves_shares_and_learns_like_the_loop(tmp_path):
-    _check(_launch("accelerate_loop.py", tmp_path, *HETERO), _launch("accelerate_loop_baseline.py", tmp_path,
-                                                                     name="base"))
+    """Both size a linear LR schedule as upstream does; hetero's prepare steps it once per optimizer step, so it
+    is half-way after epoch 1 of 2, as the baseline's (accelerate's prepare alone would be at 0 there)."""
+    ranks, base = _launch("accelerate_loop.py", tmp_path, *HETERO), _launch("accelerate_loop_baseline.py", tmp_path,
+                                                                         name="base")
+    _check(ranks, base)
+    for run in (ranks, base):
+        assert [r["lrs"] for r in run] == [pytest.approx([1.5e-3, 0.0])] * 2
 
 
 def test_accelerate_example_runs_under_accelerate_launch(tmp_path):

@@ -27,7 +27,9 @@ A loss that fits none (an extra term, a sum) is refused in one line naming the c
 """
 from __future__ import annotations
 
+import itertools
 import os
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..core import safeio
 from ..core.balance import Balance
-from . import hf_loss, hf_resume
+from . import hf_accumulate, hf_loss, hf_resume
 
 STATE_NAME = hf_resume.STATE_NAME  # in each checkpoint-N folder, beside trainer_state.json
 
@@ -56,6 +58,7 @@ class HeteroTrainer(Trainer):
         self.balance, self._resumed = balance, None  # _resumed: hetero's checkpoint state, applied at train begin
         self._loss_kind: str | None = None  # what the loss does with the Trainer's count (hf_loss.decide), per train()
         self._share: float | None = None  # this step's share of the count the loss averages over (get_batch_samples)
+        self._micro_scale = 1.0  # the running micro-batch's share of this rank's count (training_step)
         super().__init__(*args, **kwargs)
         self.add_callback(_BalanceSteps(self))
 
@@ -66,21 +69,23 @@ class HeteroTrainer(Trainer):
         if bal.size < 2:
             raise ValueError("hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); "
                              "one process has nothing to balance: use transformers.Trainer")
-        if a.gradient_accumulation_steps != 1:
-            raise ValueError("hetero: gradient_accumulation_steps must be 1 (every rank would accumulate the same "
-                             "count): raise the Balance's global_batch instead")
-        if a.per_device_train_batch_size * bal.size != bal.global_batch:
-            raise ValueError(f"hetero: per_device_train_batch_size x world ({a.per_device_train_batch_size} x "
-                             f"{bal.size}) must equal the Balance's global_batch {bal.global_batch}: it is the mean "
-                             f"per-rank batch the Trainer logs; hetero decides each rank's own")
+        m, g = a.per_device_train_batch_size, a.gradient_accumulation_steps
+        if g != 1 and bal.micro_batch != m:
+            raise ValueError(f"hetero: gradient_accumulation_steps {g} needs Balance(micro_batch="
+                             f"per_device_train_batch_size={m}): hetero then decides each rank's count of "
+                             f"micro-batches (got micro_batch={bal.micro_batch})")
+        if bal.micro_batch and bal.micro_batch != m:
+            raise ValueError(f"hetero: the Balance's micro_batch {bal.micro_batch} must equal "
+                             f"per_device_train_batch_size {m}: the Trainer's micro-batch")
+        if m * g * bal.size != bal.global_batch:
+            raise ValueError(f"hetero: per_device_train_batch_size x gradient_accumulation_steps x world ({m} x {g} "
+                             f"x {bal.size}) must equal the Balance's global_batch {bal.global_batch}: the plain "
+                             f"Trainer's batch, which it logs and schedules with; hetero decides each rank's share")
         if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential"):
             raise ValueError(f"hetero: train_sampling_strategy={a.train_sampling_strategy!r} is not supported: "
                              f"hetero's sampler decides every rank's samples")
         if a.auto_find_batch_size:
             raise ValueError("hetero: auto_find_batch_size is not supported: set the Balance's max_batch")
-        if bal.micro_batch:
-            raise ValueError("hetero: micro_batch is not supported with the Trainer (it accumulates one fixed "
-                             "count on every rank): use it in your own loop")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """Trainer.train, and hetero's sizes and decisions read back from the checkpoint folder when resuming."""
@@ -111,7 +116,10 @@ class HeteroTrainer(Trainer):
             collate = self._get_collator_with_removed_columns(collate, description="Training")
         workers = a.dataloader_num_workers
         # not accelerator.prepare(...): its BatchSamplerShard would give this rank every world-th of its own batches
-        return DataLoader(ds, batch_sampler=self.balance.batch_sampler(len(ds)), collate_fn=collate,
+        sampler = self.balance.batch_sampler(len(ds))
+        if self.balance.micro_batch:  # G entries per step for the Trainer's loop (hf_accumulate)
+            sampler = hf_accumulate.StepLength(sampler, self.balance.steps_per_epoch, a.gradient_accumulation_steps)
+        return DataLoader(ds, batch_sampler=sampler, collate_fn=collate,
                           num_workers=workers, pin_memory=a.dataloader_pin_memory,
                           persistent_workers=a.dataloader_persistent_workers and workers > 0,
                           prefetch_factor=a.dataloader_prefetch_factor if workers else None,
@@ -127,7 +135,14 @@ class HeteroTrainer(Trainer):
         """The Trainer's batches and count; at a train()'s first step also what the loss does with the count
         (hf_loss.decide), and at every step this rank's share of the count its loss averages over. Both are
         collective and run here, beside the Trainer's own gather, so that their waits fall before the step clock."""
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        micro = bool(self.balance.micro_batch)
+        if micro:  # this rank's own count k_i for the step, not the Trainer's G; asked once the sampler has begun
+            head = next(epoch_iterator, None)
+            if head is None:
+                return [], None
+            epoch_iterator = itertools.chain([head], epoch_iterator)
+        batches, num_items = super().get_batch_samples(epoch_iterator, self._micro_count(num_batches) if micro
+                                                       else num_batches, device)
         if not batches:
             return batches, num_items
         dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
@@ -145,7 +160,13 @@ class HeteroTrainer(Trainer):
             total = n.clone()
             dist.all_reduce(total)
             self._share = float(n / total) if total.item() else 1.0 / self.balance.size
+        if micro:
+            return hf_accumulate.pack(batches, num_batches), num_items
         return batches, num_items
+
+    def _micro_count(self, entries: int) -> int:
+        """This rank's micro-batches in the next step (k_i; the Trainer's loop would take its G entries)."""
+        return self.balance.micro_batches
 
     def gradient_weight(self, inputs: dict[str, Any], num_items_in_batch) -> float:
         """This rank's gradient weight for the step (module docstring: (a), (b)); the ranks' weights, times the
@@ -162,16 +183,40 @@ class HeteroTrainer(Trainer):
         return share / (bal.size if self._scaled(num_items_in_batch) else 1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if inputs is hf_accumulate.PLACEHOLDER:  # one of the G - 1 empty entries of an accumulated step
+            return torch.zeros((), device=self.args.device)
         bal = self.balance
-        rows, want = hf_loss.rows(inputs), bal.last_sizes[bal.rank]
-        if rows is not None and rows != want:
+        micro = inputs if isinstance(inputs, hf_accumulate.Micro) else [inputs]
+        rows, want = sum(hf_loss.rows(b) or 0 for b in micro), bal.last_sizes[bal.rank]
+        if rows != want:
             raise RuntimeError(f"hetero: step got {rows} samples, the schedule says {want}: is the train "
                                f"DataLoader HeteroTrainer's own?")
-        weight = self.gradient_weight(inputs, num_items_in_batch)
+        weight = self.gradient_weight(micro[0], num_items_in_batch)
         bal.set_weight(weight)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        kind = self._loss_kind
+        counts = [1.0] * len(micro) if kind == "trainer" else [hf_loss.count(b, kind) for b in micro]
+        loss = torch.zeros((), device=self.args.device)
+        for j, batch in enumerate(micro):
+            # a mean's micro-batch counts by its share of this rank's count (the Trainer's own count already does)
+            self._micro_scale = counts[j] / sum(counts) if kind != "trainer" else 1.0
+            self.current_gradient_accumulation_steps = 1  # the weights carry the accumulation, not a division by G
+            with model.no_sync() if j < len(micro) - 1 else nullcontext():  # one all-reduce: the last micro-batch
+                loss = loss + super().training_step(model, batch, num_items_in_batch)
+        self._micro_scale = 1.0
         # the Trainer logs the mean of the ranks' losses: scaled so, it is the weighted mean, the global batch's
         return loss * (weight * bal.size)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer.compute_loss, times this micro-batch's share of the rank's count (1 without accumulation)."""
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self._micro_scale == 1.0 or not model.training:
+            return out
+        return (out[0] * self._micro_scale, out[1]) if return_outputs else out * self._micro_scale
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, hf_accumulate.Micro):
+            return sum(super(HeteroTrainer, self).floating_point_ops(b) for b in inputs)
+        return super().floating_point_ops(inputs)
 
 
 class _BalanceSteps(TrainerCallback):

@@ -152,11 +152,12 @@ def test_a_trainer_step_is_the_global_batch_step_and_a_wrong_weight_is_caught(tr
 
 
 @pytest.mark.parametrize("setting, line", [
-    ({"gradient_accumulation_steps": 2}, "hetero: gradient_accumulation_steps must be 1 (every rank would accumulate "
-                                         "the same count): raise the Balance's global_batch instead"),
-    ({"per_device_train_batch_size": 3}, "hetero: per_device_train_batch_size x world (3 x 2) must equal the "
-                                         "Balance's global_batch 8: it is the mean per-rank batch the Trainer logs; "
-                                         "hetero decides each rank's own"),
+    ({"gradient_accumulation_steps": 2}, "hetero: gradient_accumulation_steps 2 needs Balance(micro_batch="
+                                         "per_device_train_batch_size=4): hetero then decides each rank's count of "
+                                         "micro-batches (got micro_batch=0)"),
+    ({"per_device_train_batch_size": 3}, "hetero: per_device_train_batch_size x gradient_accumulation_steps x world "
+                                         "(3 x 1 x 2) must equal the Balance's global_batch 8: the plain Trainer's "
+                                         "batch, which it logs and schedules with; hetero decides each rank's share"),
     ({"train_sampling_strategy": "group_by_length"}, "hetero: train_sampling_strategy='group_by_length' is not "
                                                      "supported: hetero's sampler decides every rank's samples"),
     ({"world": 1}, "hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); one process has "

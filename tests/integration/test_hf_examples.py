@@ -100,3 +100,17 @@ def test_a_resumed_trainer_run_keeps_hetero_sizes_and_coverage(tmp_path):
         assert sorted(sizes) == list(range(6, 2 * STEPS))
         assert [sizes[s] for s in range(6, effective)] == [even[rank]] * (effective - 6)
         assert sizes[effective] == decided["sizes"][rank]
+
+
+def test_trainer_example_accumulates_per_rank_counts_and_covers_every_sample(tmp_path):
+    """--grad-accum 4: micro-batches of 32 / (2 x 4) = 4 samples; the slow rank runs far fewer of them per step."""
+    ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--grad-accum", "4", "--out", str(tmp_path / "out"))
+    for epoch in ("0", "1"):
+        assert sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]) == list(range(SUBSET))
+    d = ranks[0]["decisions"]
+    assert d == ranks[1]["decisions"] and len(d) == 4
+    fast, slow = (size // 4 for size in d[-1]["sizes"])
+    assert fast + slow == 8 and slow <= fast / 2, f"micro-batch counts {fast} and {slow}"
+    assert all(size == 4 for rank in ranks for _, size in rank["batches"])  # every forward one micro-batch of 4
+    losses = ranks[0]["losses"]
+    assert losses[-1] < 0.9 * losses[0]

@@ -8,10 +8,12 @@
 (--multi_gpu is accelerate's torchrun launcher, also for CPU ranks: the script asks for Accelerator(cpu=True) when
 there is no GPU; `--cpu` would start one process.)
 
-What hetero needs from Accelerate: accelerator.prepare(model, opt) as usual (the model becomes DDP, and
-bal.attach(model) installs the weighting hook on it), and hetero's loader left out of prepare: prepare would wrap
-its batch sampler in a BatchSamplerShard, giving each rank every world-th of its own batches. The batches are
-moved to accelerator.device by hand instead. The loss is each rank's own mean: hetero weights it by b_i/B.
+What hetero needs from Accelerate: hetero.integrations.hf_accelerate.prepare(accelerator, bal, model, opt, sched)
+instead of accelerator.prepare (the model becomes DDP and bal.attach installs the weighting hook on it; the LR
+scheduler steps once per optimizer step, where accelerate's would step once per process: hetero's len(loader) is
+already the steps per epoch), and hetero's loader left out of prepare: prepare would wrap its batch sampler in a
+BatchSamplerShard, giving each rank every world-th of its own batches. The batches are moved to
+accelerator.device by hand instead. The loss is each rank's own mean: hetero weights it by b_i/B.
 """
 import argparse
 import json
@@ -21,8 +23,10 @@ import sys
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
 
 import hetero
+from hetero.integrations.hf_accelerate import prepare
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_trainer import CharText, tiny_gpt2  # noqa: E402  (the same local text and model as the Trainer example)
@@ -46,10 +50,12 @@ def main(args) -> int:
     rank, world = accelerator.process_index, accelerator.num_processes
     model = tiny_gpt2(len(ds.vocab), args.length, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    model, opt = accelerator.prepare(model, opt)
-    bal.attach(model)  # the DDP model accelerate built: gradient weight b_i/B, the step clock, the emulated delay
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))  # not prepared: hetero's slices stay whole
-    seen, losses = {}, []
+    # upstream's sizing (accelerate's nlp_example.py); len(loader) is already the steps per epoch
+    sched = get_linear_schedule_with_warmup(opt, 0, len(loader) * args.epochs)
+    # accelerator.prepare, bal.attach on the DDP model (weight b_i/B, step clock, emulated delay), one LR step per step
+    model, opt, sched = prepare(accelerator, bal, model, opt, sched)
+    seen, losses, lrs = {}, [], []
     for epoch in range(args.epochs):
         bal.set_epoch(epoch)
         seen[epoch] = []
@@ -60,15 +66,18 @@ def main(args) -> int:
                 loss = model(**batch).loss  # this rank's mean over its tokens
                 accelerator.backward(loss)
                 opt.step()
+                sched.step()
                 opt.zero_grad(set_to_none=True)
             seen[epoch] += idx.tolist()
             # the global batch's mean: each rank's mean weighted by its share of the samples
             losses.append(accelerator.reduce(loss.detach() * len(idx), "sum").item() / args.global_batch)
+        lrs.append(sched.get_last_lr()[0])
         if rank == 0:
-            print(f"epoch {epoch}: train loss {losses[-1]:.3f}, batch sizes {bal.last_sizes}", flush=True)
+            print(f"epoch {epoch}: train loss {losses[-1]:.3f}, lr {lrs[-1]:.2g}, batch sizes {bal.last_sizes}",
+                  flush=True)
     if args.record:
         with open(f"{args.record}.rank{rank}.json", "w") as f:
-            json.dump({"rank": rank, "seen": seen, "losses": losses,
+            json.dump({"rank": rank, "seen": seen, "losses": losses, "lrs": lrs,
                        "decisions": [d.__dict__ for d in bal.decisions]}, f)
     accelerator.end_training()
     return 0

@@ -11,6 +11,7 @@ import sys
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
+from transformers import get_linear_schedule_with_warmup
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_trainer import CharText, tiny_gpt2  # noqa: E402  (the same local text and model as the Trainer example)
@@ -27,9 +28,11 @@ def main(args) -> int:
     rank, world = accelerator.process_index, accelerator.num_processes
     model = tiny_gpt2(len(ds.vocab), args.length, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    model, opt = accelerator.prepare(model, opt)
-    loader = accelerator.prepare(DataLoader(ds, batch_size=args.global_batch // world, shuffle=True, drop_last=True))
-    seen, losses = {}, []
+    loader = DataLoader(ds, batch_size=args.global_batch // world, shuffle=True, drop_last=True)
+    # upstream's sizing (accelerate's nlp_example.py), from the loader before prepare shards it
+    sched = get_linear_schedule_with_warmup(opt, 0, len(loader) * args.epochs)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    seen, losses, lrs = {}, [], []
     for epoch in range(args.epochs):
         loader.set_epoch(epoch)
         seen[epoch] = []
@@ -38,15 +41,17 @@ def main(args) -> int:
             loss = model(**batch).loss  # this rank's mean over its tokens
             accelerator.backward(loss)
             opt.step()
+            sched.step()
             opt.zero_grad(set_to_none=True)
             seen[epoch] += idx.tolist()
             # the global batch's mean: each rank's mean weighted by its share of the samples
             losses.append(accelerator.reduce(loss.detach() * len(idx), "sum").item() / args.global_batch)
+        lrs.append(sched.get_last_lr()[0])
         if rank == 0:
-            print(f"epoch {epoch}: train loss {losses[-1]:.3f}", flush=True)
+            print(f"epoch {epoch}: train loss {losses[-1]:.3f}, lr {lrs[-1]:.2g}", flush=True)
     if args.record:
         with open(f"{args.record}.rank{rank}.json", "w") as f:
-            json.dump({"rank": rank, "seen": seen, "losses": losses}, f)
+            json.dump({"rank": rank, "seen": seen, "losses": losses, "lrs": lrs}, f)
     accelerator.end_training()
     return 0
 

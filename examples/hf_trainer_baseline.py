@@ -82,7 +82,9 @@ def main(args) -> int:
         return 2
     ds, evalset = Subset(rows, range(args.subset)), Subset(rows, range(args.subset, len(rows)))
     world = int(os.environ.get("WORLD_SIZE", 1))
-    targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=args.global_batch // world,
+    micro = args.global_batch // (world * args.grad_accum)  # the plain Trainer's per-device micro-batch
+    targs = TrainingArguments(output_dir=args.out, per_device_train_batch_size=micro,
+                              gradient_accumulation_steps=args.grad_accum,
                               num_train_epochs=args.epochs, max_steps=args.max_steps, learning_rate=args.lr,
                               lr_scheduler_type="constant", logging_steps=args.log_every,
                               report_to=args.report_to.split(",") if args.report_to else [],
@@ -111,6 +113,7 @@ if __name__ == "__main__":
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=-1, help="stop after this many optimizer steps (-1: the epochs)")
     p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps (micro-batches per step)")
     p.add_argument("--length", type=int, default=32, help="characters per row")
     p.add_argument("--subset", type=int, default=320, help="rows cut from the text")
     p.add_argument("--lr", type=float, default=3e-3)

@@ -209,9 +209,14 @@ class Plan:
         self._fold(coll)
         at = self.at
         mid = at.started and 0 < at.step < (self.steps_per_epoch or ENDLESS)
+        here = self.position(at.epoch, at.step)
+        first = max((i for i, (start, _) in enumerate(self.regimes) if start <= here), default=0)
+        # the regimes still in force from here on: a decision made before the checkpoint that takes effect after it
+        # (DataLoader workers ran ahead) keeps the sizes the steps between were cut with
+        regimes = [[None if start == FAR else start, b.state_dict()] for start, b in self.regimes[first:]]
         return {"version": STATE_VERSION, "balancer": self.balancer.state_dict(), "epoch": at.epoch,
                 "step": at.step if mid else 0, "global_step": self.global_step, "identities": self.identities,
-                "steps_per_epoch": self.steps_per_epoch}
+                "steps_per_epoch": self.steps_per_epoch, "regimes": regimes}
 
     def load_state_dict(self, state: dict, identities: list[str] | None) -> None:
         """Resume: the balancer (carried over by worker identity to this world's, when known) and the position."""
@@ -232,6 +237,14 @@ class Plan:
             raise ValueError(f"a mid-epoch state at step {step} of an epoch of {self.steps_per_epoch} steps")
         self.global_step = whole("global_step", state["global_step"], 0)
         self.reset()
+        same = src == list(range(self.world)) and len(saved["shares"]) == self.world
+        if same and state.get("regimes") and spe in (None, self.steps_per_epoch):  # else: from the balancer alone
+            self.regimes = []
+            for start, b in state["regimes"]:
+                regime = copy.deepcopy(self.balancer)
+                regime.load_state_dict(b)
+                self.regimes.append((FAR if start is None else whole("regime start", start, 0), regime))
+            self.last = self.regimes[0][1].sizes
         self._new_epoch()
         # mid-epoch: the epoch goes on at `step` (set_epoch(epoch) then leaves it as it is)
         self.at = At(epoch, step, bool(step))

@@ -11,23 +11,25 @@ What it changes in the Trainer (docs/huggingface.md):
 - a callback brackets every optimizer step (begin_step at on_step_begin, end_step at on_step_end: the step clock,
   decisions every K steps and at epoch ends) and attaches the comm hook to the Trainer's DDP model;
 - training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
-- hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...).
+- hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...) (hf_resume.py).
 
-The two loss conventions, and the count each weight uses:
-(a) the Trainer normalised the loss over every rank: a model taking num_items_in_batch (or a compute_loss_func),
-    average_tokens_across_devices=True (the default), labels in the batch. The Trainer gathers the global count N
-    of valid label tokens (shifted when the model's loss_type is a causal-LM loss), each rank's loss is
-    world * (its token-loss sum) / N, and DDP's mean over ranks gives the exact global token mean. hetero must not
-    weight again: weight 1/world.
-(b) each rank's loss is its own mean: a model without num_items_in_batch, or average_tokens_across_devices=False.
-    Where the Trainer counted this rank's valid tokens n_i (a model taking num_items_in_batch), the weight is the
-    token share n_i / sum(n) (one scalar all-reduce per step, before the step clock starts): exact with padding.
-    Otherwise the sample share b_i/B, exact when every sample counts alike in the loss (a per-sample mean, or
-    unpadded token rows).
+The loss conventions, decided at each train()'s first step from what the loss does (hf_loss.decide, collective),
+not from the forward's signature (BERT's forward(**kwargs) takes num_items_in_batch and never reads it):
+(a) the loss divides by the Trainer's count ("trainer"), average_tokens_across_devices=True (the default): the
+    Trainer gathers the global count N, each rank's loss is world * (its token-loss sum) / N, and DDP's mean over
+    ranks is the exact global token mean. hetero must not weight again: weight 1/world.
+(b) the loss divides by the Trainer's count, average_tokens_across_devices=False: each rank's loss is its own sum
+    over its count n_i; the weight is the count share n_i / sum(n) (one scalar all-reduce per step).
+(c) the loss is a mean over a count of its own ("tokens", "shifted" or "rows", found by the probe): the weight is
+    this rank's share of that count (an all-reduce for tokens; b_i/B for rows), divided by world where the Trainer
+    multiplied the loss by world taking it for (a).
+A loss that fits none (an extra term, a sum) is refused in one line naming the class, on every rank.
 """
 from __future__ import annotations
 
+import itertools
 import os
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,21 +43,23 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ..core import safeio
 from ..core.balance import Balance
+from . import hf_accumulate, hf_loss, hf_resume
 from .hf_metrics import register as register_metrics
 
-STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
-
-
-def _rows(inputs: dict[str, Any]) -> int | None:
-    """The batch's number of samples (the first dimension of its first tensor), None without tensors."""
-    return next((len(v) for v in inputs.values() if torch.is_tensor(v) and v.dim()), None)
+STATE_NAME = hf_resume.STATE_NAME  # in each checkpoint-N folder, beside trainer_state.json
 
 
 class HeteroTrainer(Trainer):
     """transformers.Trainer with hetero's per-rank batch sizes, b_i/B (or token-share) weighting and rebalancing."""
 
     def __init__(self, *args, balance: Balance, **kwargs):
-        self.balance, self._token_share = balance, None  # (b) with counts: this step's share (get_batch_samples)
+        if not isinstance(balance, Balance):
+            raise TypeError(f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
+                            f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")
+        self.balance, self._resumed = balance, None  # _resumed: hetero's checkpoint state, applied at train begin
+        self._loss_kind: str | None = None  # what the loss does with the Trainer's count (hf_loss.decide), per train()
+        self._share: float | None = None  # this step's share of the count the loss averages over (get_batch_samples)
+        self._micro_scale = 1.0  # the running micro-batch's share of this rank's count (training_step)
         super().__init__(*args, **kwargs)
         self.add_callback(_BalanceSteps(self))
         register_metrics(self, balance)  # the hetero/ read-out in every training log (hf_metrics.py)
@@ -67,36 +71,35 @@ class HeteroTrainer(Trainer):
         if bal.size < 2:
             raise ValueError("hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); "
                              "one process has nothing to balance: use transformers.Trainer")
-        if a.gradient_accumulation_steps != 1:
-            raise ValueError("hetero: gradient_accumulation_steps must be 1 (every rank would accumulate the same "
-                             "count): raise the Balance's global_batch instead")
-        if a.per_device_train_batch_size * bal.size != bal.settings.global_batch:
-            raise ValueError(f"hetero: per_device_train_batch_size x world ({a.per_device_train_batch_size} x "
-                             f"{bal.size}) must equal the Balance's global_batch {bal.settings.global_batch}: it is "
-                             f"the mean "
-                             f"per-rank batch the Trainer logs; hetero decides each rank's own")
+        m, g = a.per_device_train_batch_size, a.gradient_accumulation_steps
+        if g != 1 and bal.settings.micro_batch != m:
+            raise ValueError(f"hetero: gradient_accumulation_steps {g} needs Balance(micro_batch="
+                             f"per_device_train_batch_size={m}): hetero then decides each rank's count of "
+                             f"micro-batches (got micro_batch={bal.settings.micro_batch})")
+        if bal.settings.micro_batch and bal.settings.micro_batch != m:
+            raise ValueError(f"hetero: the Balance's micro_batch {bal.settings.micro_batch} must equal "
+                             f"per_device_train_batch_size {m}: the Trainer's micro-batch")
+        if m * g * bal.size != bal.settings.global_batch:
+            raise ValueError(f"hetero: per_device_train_batch_size x gradient_accumulation_steps x world ({m} x {g} "
+                             f"x {bal.size}) must equal the Balance's global_batch {bal.settings.global_batch}: the "
+                             f"plain Trainer's batch, which it logs and schedules with; hetero splits it")
         if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential"):
             raise ValueError(f"hetero: train_sampling_strategy={a.train_sampling_strategy!r} is not supported: "
                              f"hetero's sampler decides every rank's samples")
         if a.auto_find_batch_size:
             raise ValueError("hetero: auto_find_batch_size is not supported: set the Balance's max_batch")
-        if bal.settings.micro_batch:
-            raise ValueError("hetero: micro_batch is not supported with the Trainer (it accumulates one fixed "
-                             "count on every rank): use it in your own loop")
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """Trainer.train, and hetero's sizes and decisions read back from the checkpoint folder when resuming."""
         self._refuse()
+        self._loss_kind = None  # decided again at the first step: the model may have changed
         if resume_from_checkpoint is True:  # resolved here as the Trainer does, to read hetero's file from it
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"hetero: no checkpoint in {self.args.output_dir} to resume from")
-        if resume_from_checkpoint:
-            path = os.path.join(resume_from_checkpoint, STATE_NAME)
-            if not os.path.isfile(path):
-                raise ValueError(f"hetero: {resume_from_checkpoint} has no {STATE_NAME}: it was not saved by "
-                                 f"HeteroTrainer")
-            self.balance.load_state_dict(torch.load(path, weights_only=True))
+        self._resumed = hf_resume.read(resume_from_checkpoint) if resume_from_checkpoint else None
+        if self._resumed is not None:  # hetero's sampler starts at the saved step: the Trainer must not skip again
+            self.args.ignore_data_skip = True
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     # -- the data: hetero's batch sampler, not sharded again by accelerate ------------------------------------
@@ -115,52 +118,108 @@ class HeteroTrainer(Trainer):
             collate = self._get_collator_with_removed_columns(collate, description="Training")
         workers = a.dataloader_num_workers
         # not accelerator.prepare(...): its BatchSamplerShard would give this rank every world-th of its own batches
-        return DataLoader(ds, batch_sampler=self.balance.batch_sampler(len(ds)), collate_fn=collate,
+        sampler = self.balance.batch_sampler(len(ds))
+        if self.balance.settings.micro_batch:  # G entries per step for the Trainer's loop (hf_accumulate)
+            spe = self.balance.engine.plan.steps_per_epoch
+            sampler = hf_accumulate.StepLength(sampler, spe, a.gradient_accumulation_steps)
+        return DataLoader(ds, batch_sampler=sampler, collate_fn=collate,
                           num_workers=workers, pin_memory=a.dataloader_pin_memory,
                           persistent_workers=a.dataloader_persistent_workers and workers > 0,
                           prefetch_factor=a.dataloader_prefetch_factor if workers else None,
                           worker_init_fn=partial(seed_worker, num_workers=workers, rank=a.process_index))
 
     # -- one step: the weight of this rank's gradient ---------------------------------------------------------
-    def _counted(self, num_items_in_batch) -> bool:
-        """Whether the loss is normalised by the Trainer's count of valid label tokens (as compute_loss decides)."""
-        return num_items_in_batch is not None and bool(self.model_accepts_loss_kwargs or self.compute_loss_func)
+    def _scaled(self, num_items_in_batch) -> bool:
+        """Whether compute_loss multiplied this rank's loss by world (the Trainer's token averaging across devices)."""
+        counted = num_items_in_batch is not None and bool(self.model_accepts_loss_kwargs or self.compute_loss_func)
+        return counted and self.args.average_tokens_across_devices
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        """The Trainer's batches and token count; in (b) with a count, also this rank's token share, all-reduced
-        here beside the Trainer's own gather (a) so that the wait falls before the step clock starts."""
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._token_share = None
-        if self._counted(num_items) and not self.args.average_tokens_across_devices and batches:
-            dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
-            n = torch.as_tensor(num_items, dtype=torch.float64).detach().to(dev).reshape(1)
+        """The Trainer's batches and count; at a train()'s first step also what the loss does with the count
+        (hf_loss.decide), and at every step this rank's share of the count its loss averages over. Both are
+        collective and run here, beside the Trainer's own gather, so that their waits fall before the step clock."""
+        micro = bool(self.balance.settings.micro_batch)
+        if micro:  # this rank's own count k_i for the step, not the Trainer's G; asked once the sampler has begun
+            head = next(epoch_iterator, None)
+            if head is None:
+                return [], None
+            epoch_iterator = itertools.chain([head], epoch_iterator)
+        batches, num_items = super().get_batch_samples(epoch_iterator, self._micro_count(num_batches) if micro
+                                                       else num_batches, device)
+        if not batches:
+            return batches, num_items
+        dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
+        passed = num_items if self.model_accepts_loss_kwargs or self.compute_loss_func else None
+        if self._loss_kind is None:
+            self._loss_kind = hf_loss.decide(self, batches[0], passed, dev)
+        kind, own = self._loss_kind, None
+        if kind == "trainer" and passed is not None and not self.args.average_tokens_across_devices:
+            own = float(num_items)  # (b) with the Trainer's count: this rank's own (not gathered)
+        elif kind in ("tokens", "shifted"):
+            own = float(sum(hf_loss.count(b, kind) for b in batches))
+        self._share = None
+        if own is not None:
+            n = torch.tensor([own], dtype=torch.float64, device=dev)
             total = n.clone()
             dist.all_reduce(total)
-            self._token_share = float(n / total) if total.item() else 1.0 / self.balance.size
+            self._share = float(n / total) if total.item() else 1.0 / self.balance.size
+        if micro:
+            return hf_accumulate.pack(batches, num_batches), num_items
         return batches, num_items
 
+    def _micro_count(self, entries: int) -> int:
+        """This rank's micro-batches in the next step (k_i; the Trainer's loop would take its G entries)."""
+        return self.balance.micro_batches
+
     def gradient_weight(self, inputs: dict[str, Any], num_items_in_batch) -> float:
-        """This rank's gradient weight for the step (the weights sum to 1 over ranks; module docstring: (a), (b))."""
+        """This rank's gradient weight for the step (module docstring: (a), (b)); the ranks' weights, times the
+        factor world by which the Trainer scaled a loss it took for token-normalised, sum to 1."""
         bal = self.balance
+        if self._loss_kind == "trainer":  # the loss divides by the Trainer's count
+            if not bal.settings.weighted or self.args.average_tokens_across_devices:
+                return 1.0 / bal.size  # (a): the Trainer normalised over every rank; DDP's mean is exact
+            return self._share  # (b): this rank's share of the step's counted tokens
+        # a mean over its own count: this rank's share of it, undoing the Trainer's world factor where applied
+        share = self._share if self._share is not None else bal.last_sizes[bal.rank] / bal.settings.global_batch
         if not bal.settings.weighted:
-            return 1.0 / bal.size  # sync: DDP's mean, as plain DDP
-        if self._counted(num_items_in_batch) and self.args.average_tokens_across_devices:
-            return 1.0 / bal.size  # (a): compute_loss scaled the loss by world, over the global token count
-        if self._counted(num_items_in_batch) and self._token_share is not None:
-            return self._token_share  # (b) with counts: this rank's share of the step's valid tokens
-        return bal.last_sizes[bal.rank] / bal.settings.global_batch  # (b): this rank's share of the samples
+            share = 1.0 / bal.size
+        return share / (bal.size if self._scaled(num_items_in_batch) else 1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if inputs is hf_accumulate.PLACEHOLDER:  # one of the G - 1 empty entries of an accumulated step
+            return torch.zeros((), device=self.args.device)
         bal = self.balance
-        rows, want = _rows(inputs), bal.last_sizes[bal.rank]
-        if rows is not None and rows != want:
+        micro = inputs if isinstance(inputs, hf_accumulate.Micro) else [inputs]
+        rows, want = sum(hf_loss.rows(b) or 0 for b in micro), bal.last_sizes[bal.rank]
+        if rows != want:
             raise RuntimeError(f"hetero: step got {rows} samples, the schedule says {want}: is the train "
                                f"DataLoader HeteroTrainer's own?")
-        weight = self.gradient_weight(inputs, num_items_in_batch)
+        weight = self.gradient_weight(micro[0], num_items_in_batch)
         bal.engine.set_weight(weight)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        kind = self._loss_kind
+        counts = [1.0] * len(micro) if kind == "trainer" else [hf_loss.count(b, kind) for b in micro]
+        loss = torch.zeros((), device=self.args.device)
+        for j, batch in enumerate(micro):
+            # a mean's micro-batch counts by its share of this rank's count (the Trainer's own count already does)
+            self._micro_scale = counts[j] / sum(counts) if kind != "trainer" else 1.0
+            self.current_gradient_accumulation_steps = 1  # the weights carry the accumulation, not a division by G
+            with model.no_sync() if j < len(micro) - 1 else nullcontext():  # one all-reduce: the last micro-batch
+                loss = loss + super().training_step(model, batch, num_items_in_batch)
+        self._micro_scale = 1.0
         # the Trainer logs the mean of the ranks' losses: scaled so, it is the weighted mean, the global batch's
         return loss * (weight * bal.size)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer.compute_loss, times this micro-batch's share of the rank's count (1 without accumulation)."""
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if self._micro_scale == 1.0 or not model.training:
+            return out
+        return (out[0] * self._micro_scale, out[1]) if return_outputs else out * self._micro_scale
+
+    def floating_point_ops(self, inputs) -> int:
+        if isinstance(inputs, hf_accumulate.Micro):
+            return sum(super(HeteroTrainer, self).floating_point_ops(b) for b in inputs)
+        return super().floating_point_ops(inputs)
 
 
 class _BalanceSteps(TrainerCallback):
@@ -180,6 +239,9 @@ class _BalanceSteps(TrainerCallback):
         if ddp is not self._ddp:  # a second train() on the same DDP model keeps its hook (DDP takes one)
             bal.attach(ddp)
             self._ddp = ddp
+        if self.trainer._resumed is not None:  # after attach (the workers' identities) and the sampler (its length)
+            hf_resume.restore(bal, self.trainer._resumed)
+            self.trainer._resumed = None
         self.epoch = state.global_step // bal.engine.plan.steps_per_epoch  # a resumed run starts inside its epoch
 
     def on_epoch_begin(self, args, state, control, **kwargs):
@@ -187,16 +249,23 @@ class _BalanceSteps(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         bal = self.trainer.balance
-        bal.begin_step(state.global_step - self.epoch * bal.engine.plan.steps_per_epoch)
+        spe = bal.engine.plan.steps_per_epoch  # the batch is the sampler's: checked (engine.begin)
+        bal.engine.begin(state.global_step - self.epoch * spe, from_loader=True)
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.balance.end_step()  # after the optimizer step; decides every K steps and at the epoch's end
+        bal = self.trainer.balance
+        bal.end_step()  # after the optimizer step; decides every K steps and at the epoch's end
+        # the Trainer counts the epoch's fraction from its own batch counter, which a resume without its data skip
+        # (hf_resume) restarts at 0: the fraction from hetero's steps instead
+        spe = bal.engine.plan.steps_per_epoch
+        state.epoch = self.epoch + (state.global_step - self.epoch * spe) / spe
 
     def on_epoch_end(self, args, state, control, **kwargs):
         self.epoch += 1
 
     def on_save(self, args, state, control, **kwargs):
+        saved = hf_resume.checkpoint(self.trainer.balance)  # every rank
         if args.should_save:  # the folder _save_checkpoint just wrote (hyperparameter search runs elsewhere)
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-            state = self.trainer.balance.state_dict()  # written beside the Trainer's files, never through a link
-            safeio.atomic_write(Path(folder) / STATE_NAME, lambda f: torch.save(state, f))
+            # written beside the Trainer's files, never through a link
+            safeio.atomic_write(Path(folder) / hf_resume.STATE_NAME, lambda f: torch.save(saved, f))

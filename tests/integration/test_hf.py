@@ -96,7 +96,7 @@ class WrongWeight(HeteroTrainer):
 
     def gradient_weight(self, inputs, num_items_in_batch) -> float:
         bal = self.balance
-        return bal.last_sizes[bal.rank] / bal.global_batch if self.wrong == "samples" else 1.0 / bal.size
+        return bal.last_sizes[bal.rank] / bal.settings.global_batch if self.wrong == "samples" else 1.0 / bal.size
 
 
 def _exact_worker(rank: int, out: str) -> None:
@@ -152,11 +152,12 @@ def test_a_trainer_step_is_the_global_batch_step_and_a_wrong_weight_is_caught(tr
 
 
 @pytest.mark.parametrize("setting, line", [
-    ({"gradient_accumulation_steps": 2}, "hetero: gradient_accumulation_steps must be 1 (every rank would accumulate "
-                                         "the same count): raise the Balance's global_batch instead"),
-    ({"per_device_train_batch_size": 3}, "hetero: per_device_train_batch_size x world (3 x 2) must equal the "
-                                         "Balance's global_batch 8: it is the mean per-rank batch the Trainer logs; "
-                                         "hetero decides each rank's own"),
+    ({"gradient_accumulation_steps": 2}, "hetero: gradient_accumulation_steps 2 needs Balance(micro_batch="
+                                         "per_device_train_batch_size=4): hetero then decides each rank's count of "
+                                         "micro-batches (got micro_batch=0)"),
+    ({"per_device_train_batch_size": 3}, "hetero: per_device_train_batch_size x gradient_accumulation_steps x world "
+                                         "(3 x 1 x 2) must equal the Balance's global_batch 8: the plain Trainer's "
+                                         "batch, which it logs and schedules with; hetero decides each rank's share"),
     ({"train_sampling_strategy": "group_by_length"}, "hetero: train_sampling_strategy='group_by_length' is not "
                                                      "supported: hetero's sampler decides every rank's samples"),
     ({"world": 1}, "hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); one process has "
@@ -194,9 +195,18 @@ def test_set_weight_replaces_the_step_weight_and_needs_a_step(monkeypatch):
     bal.replay({0: [SIZES]})
     bal.batch_sampler(B)
     bal.set_epoch(0)
-    with pytest.raises(RuntimeError, match="set_weight needs a step begun"):
-        bal.set_weight(0.5)
+    with pytest.raises(RuntimeError, match="outside `with bal.step"):
+        bal.engine.set_weight(0.5)
     bal.begin_step(0)
-    assert bal.weight == SIZES[1] / B      # b_i/B, replaced below for this step only
-    bal.set_weight(0.5)
-    assert bal.weight == 0.5
+    assert bal.engine.step.weight == SIZES[1] / B      # b_i/B, replaced below for this step only
+    bal.engine.set_weight(0.5)
+    assert bal.engine.step.weight == 0.5
+
+
+@pytest.mark.parametrize("balance", ["edp", None, 32])
+def test_a_balance_that_is_not_a_balance_is_one_line(tmp_path, balance):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(TypeError) as e:
+        HeteroTrainer(model=MeanLoss(), args=args, train_dataset=Points(), balance=balance)
+    assert str(e.value) == (f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
+                            f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")

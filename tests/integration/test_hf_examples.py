@@ -61,8 +61,13 @@ def test_trainer_example_covers_every_sample_moves_shares_and_learns_like_the_tr
 
 
 def test_accelerate_example_covers_every_sample_moves_shares_and_learns_like_the_loop(tmp_path):
-    _check(_launch("accelerate_loop.py", tmp_path, *HETERO), _launch("accelerate_loop_baseline.py", tmp_path,
-                                                                     name="base"))
+    """Both size a linear LR schedule as upstream does; hetero's prepare steps it once per optimizer step, so it
+    is half-way after epoch 1 of 2, as the baseline's (accelerate's prepare alone would be at 0 there)."""
+    ranks, base = _launch("accelerate_loop.py", tmp_path, *HETERO), _launch("accelerate_loop_baseline.py", tmp_path,
+                                                                         name="base")
+    _check(ranks, base)
+    for run in (ranks, base):
+        assert [r["lrs"] for r in run] == [pytest.approx([1.5e-3, 0.0])] * 2
 
 
 def test_accelerate_example_runs_under_accelerate_launch(tmp_path):
@@ -76,15 +81,38 @@ def test_accelerate_example_runs_under_accelerate_launch(tmp_path):
 
 
 def test_a_resumed_trainer_run_keeps_hetero_sizes_and_coverage(tmp_path):
-    """Stopped after the checkpoint at step 13 (epoch 1, step 3), resumed from it with resume_from_checkpoint."""
-    out = ["--out", str(tmp_path / "out"), *HETERO]
-    first = _launch("hf_trainer.py", tmp_path, *out, "--max-steps", "13", "--save-steps", "13", name="first")
-    assert (tmp_path / "out" / "checkpoint-13" / "hetero_balance.pt").is_file()
+    """With 2 DataLoader workers running ahead, the first decision, after step 4, takes effect a few steps later
+    (about 9). Stopped at the checkpoint at step 6, before that, and resumed from it: steps 6 up to the effective
+    step keep the even split in force at the checkpoint, the decision's sizes apply from then on, and every sample
+    of the interrupted epoch is consumed once (hetero's sampler starts at the saved step; the Trainer does not skip
+    batches itself)."""
+    out = ["--out", str(tmp_path / "out"), *HETERO, "--workers", "2"]
+    first = _launch("hf_trainer.py", tmp_path, *out, "--max-steps", "6", "--save-steps", "6", name="first")
+    assert (tmp_path / "out" / "checkpoint-6" / "hetero_balance.pt").is_file()
     second = _launch("hf_trainer.py", tmp_path, *out, "--resume", name="second")
-    assert sorted(first[0]["seen"]["0"] + first[1]["seen"]["0"]) == list(range(SUBSET))
-    epoch1 = [i for run in (first, second) for rank in run for i in rank["seen"]["1"]]
-    assert sorted(epoch1) == list(range(SUBSET)), "the resumed epoch: not every sample exactly once"
-    decided = first[0]["decisions"][-1]["sizes"]                 # in force from step 10 on
-    assert decided[1] < B // 2 - 4                               # rebalanced before the checkpoint
-    assert [r["batches"][0] for r in second] == [[13, decided[0]], [13, decided[1]]]  # the resumed step's sizes
-    assert [r["batches"][-1][0] for r in second] == [2 * STEPS - 1] * 2
+    epoch0 = [i for run in (first, second) for rank in run for i in rank["seen"].get("0", [])]
+    assert sorted(epoch0) == list(range(SUBSET)), "the resumed epoch: not every sample exactly once"
+    assert sorted(second[0]["seen"]["1"] + second[1]["seen"]["1"]) == list(range(SUBSET))
+    [decided] = first[0]["decisions"]
+    effective, even = decided["effective"], [B // 2, B // 2]
+    assert (decided["epoch"], decided["step"]) == (0, 4) and decided["sizes"] != even
+    assert 6 < effective < STEPS, f"the decision took effect at {effective}: the checkpoint is not before it"
+    for rank, run in enumerate(second):
+        sizes = dict(map(tuple, run["batches"]))  # step -> this rank's batch size
+        assert sorted(sizes) == list(range(6, 2 * STEPS))
+        assert [sizes[s] for s in range(6, effective)] == [even[rank]] * (effective - 6)
+        assert sizes[effective] == decided["sizes"][rank]
+
+
+def test_trainer_example_accumulates_per_rank_counts_and_covers_every_sample(tmp_path):
+    """--grad-accum 4: micro-batches of 32 / (2 x 4) = 4 samples; the slow rank runs far fewer of them per step."""
+    ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--grad-accum", "4", "--out", str(tmp_path / "out"))
+    for epoch in ("0", "1"):
+        assert sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]) == list(range(SUBSET))
+    d = ranks[0]["decisions"]
+    assert d == ranks[1]["decisions"] and len(d) == 4
+    fast, slow = (size // 4 for size in d[-1]["sizes"])
+    assert fast + slow == 8 and slow <= fast / 2, f"micro-batch counts {fast} and {slow}"
+    assert all(size == 4 for rank in ranks for _, size in rank["batches"])  # every forward one micro-batch of 4
+    losses = ranks[0]["losses"]
+    assert losses[-1] < 0.9 * losses[0]

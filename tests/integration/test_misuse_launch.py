@@ -171,10 +171,8 @@ def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
         bal = hetero.Balance(global_batch=16, micro_batch=4)  # counts [1, 3]
         bal.replay({0: np.array([[4, 12]] * 4)})
         ddp = DDP(model)
-        bal.attach(ddp)
-        bal.batch_sampler(64)  # the epoch's length
+        bal.attach(ddp)  # a loop without epochs, as nanoGPT's: no sampler, its own batches
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        bal.set_epoch(0)
         counts = fixed or bal.micro_batches
         start = 0 if rank == 0 else int(bal.sizes_at(0, 0)[0])  # the loop cuts its own slice of the step
         for micro in range(counts):  # this rank's slice of the step's 16 samples, in micro-batches of 4

@@ -1,0 +1,46 @@
+"""hetero in a plain Accelerate loop: `prepare` is `accelerator.prepare` for the model, optimizer and LR scheduler,
+with the Balance attached and the scheduler stepped once per optimizer step.
+
+    model, opt, sched = hetero.integrations.hf_accelerate.prepare(accelerator, bal, model, opt, sched)
+    loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))   # not prepared; len(loader) = steps per epoch
+
+Why the scheduler: accelerate's prepared scheduler (AcceleratedScheduler) steps the wrapped scheduler
+num_processes times per optimizer step, because accelerate expects a schedule sized by the unsharded loader, whose
+length is world times the steps per epoch. hetero's loader is never sharded: its length is already the steps per
+epoch of the global batch. A schedule sized `len(loader) * epochs`, as upstream's examples write it, would reach its
+end after 1/world of training (LR 0 at the end of epoch 1 of 2 on two ranks). `prepare` sets the prepared
+scheduler's `split_batches`, accelerate's own switch for "one scheduler step per optimizer step", and keeps
+everything else of AcceleratedScheduler (no step when the optimizer step was skipped, accumulation's
+non-sync micro-steps).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
+from torch.utils.data import DataLoader
+
+from ..core.balance import Balance
+
+
+def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
+    """accelerator.prepare(*objects) (a model, optimizers, LR schedulers; never a DataLoader), then
+    balance.attach(the prepared model) and one scheduler step per optimizer step. Returns what prepare returns.
+    Collective (attach): call it on every rank."""
+    if not isinstance(balance, Balance):
+        raise TypeError(f"hetero: prepare(accelerator, balance, ...) takes a hetero.Balance, not "
+                        f"{type(balance).__name__}")
+    if any(isinstance(o, DataLoader) for o in objects):
+        raise ValueError("hetero: leave hetero's DataLoader out of prepare: accelerate would shard its batch sampler "
+                         "again (BatchSamplerShard) and hand this rank every world-th of its own batches")
+    if (n := sum(isinstance(o, torch.nn.Module) for o in objects)) != 1:
+        raise ValueError(f"hetero: prepare takes exactly one model ({n} given): the one whose gradient hetero weights")
+    prepared = accelerator.prepare(*objects)
+    out = prepared if isinstance(prepared, tuple) else (prepared,)
+    balance.attach(next(p for o, p in zip(objects, out) if isinstance(o, torch.nn.Module)))
+    for sched in out:
+        if isinstance(sched, AcceleratedScheduler):
+            sched.split_batches = True  # one step per optimizer step: hetero's loader counts global steps
+    return prepared

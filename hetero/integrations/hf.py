@@ -82,7 +82,8 @@ class HeteroTrainer(Trainer):
         if m * g * bal.size != bal.settings.global_batch:
             raise ValueError(f"hetero: per_device_train_batch_size x gradient_accumulation_steps x world ({m} x {g} "
                              f"x {bal.size}) must equal the Balance's global_batch {bal.settings.global_batch}: the "
-                             f"plain Trainer's batch, which it logs and schedules with; hetero splits it")
+                             f"plain Trainer's batch, which it logs and schedules with; hetero decides each "
+                             f"rank's share")
         if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential"):
             raise ValueError(f"hetero: train_sampling_strategy={a.train_sampling_strategy!r} is not supported: "
                              f"hetero's sampler decides every rank's samples")

@@ -2,6 +2,8 @@
 decisions, and no collective on any call (a real Balance in a one-process gloo group)."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -47,8 +49,10 @@ class _Stub:
     """The public names the read-out reads, over a real Balancer: two ranks, this one rank 1."""
 
     def __init__(self, rule: str = "proportional", world: int = 2):
-        self.rank, self.size, self.global_batch = 1, world, 64
+        self.rank, self.size = 1, world
+        self.settings = SimpleNamespace(global_batch=64)
         self.balancer = Balancer(rule, world, 64)
+        self.engine = SimpleNamespace(plan=self)  # bal.engine.plan.balancer: where the balancer lives
         self.decisions: list[Decision] = []
         self.records: list[StepRecord] = []
         self.last_sizes = self.balancer.sizes.tolist()

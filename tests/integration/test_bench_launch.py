@@ -73,7 +73,7 @@ def test_bench_quickest(tmp_path):
     assert 0 < run["notice"] <= run["rendezvous"] <= run["start"] <= run["first_step"] and run["import_s"] > 0
     assert "Recovery under torchrun" in (out / "table.md").read_text()
     assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api", "lost",
-                                                               *["hf"] * hf}
+                                                               "metrics(bal)", *["hf"] * hf}
     assert (r["affinity"] == "") == (len(os.sched_getaffinity(0)) >= 2)  # pinned only when oversubscribed
 
 

@@ -97,7 +97,7 @@ test-slow: $(STAMP)  ## only the slow tier (real CIFAR-10 images, benchmark smok
 	$(BIN)/python -m pytest -q -m slow tests
 
 test-all: $(STAMP)  ## both tiers (what .ci/run runs; tests/unit one process, tests/integration launches)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 lint: $(STAMP)  ## ruff check . (rules in pyproject's [tool.ruff]; no formatter: the code is formatted by hand)
 	$(BIN)/ruff check .

@@ -30,6 +30,7 @@ from .engine import Engine, emulated
 from .guard import OptimizerGuard
 from .hook import balance_hook
 from .metrics import metrics as read_out
+from .plan import Plan, epoch_length
 from .probe import probe_all
 from .records import Decision, StepRecord
 from .rules import whole
@@ -76,6 +77,7 @@ class Balance:
                                  micro_batch=micro_batch, worker_id=worker_id)
         self._hetero, self._replay, self._probed = "", None, False
         self._engine: Engine | None = None
+        self._length = 0  # batch_sampler's n_samples, kept for a world bound after it
         if (known := launcher_world()) is not None:
             self.set_world(*known)
 
@@ -97,6 +99,8 @@ class Balance:
         if rank >= world:
             raise ValueError(f"rank {rank} outside a world of {world}")
         self._engine = Engine.build(self.settings, rank, world, self._hetero, self._replay)
+        if self._length:
+            self._engine.plan.set_length(self._length)
 
     @property
     def engine(self) -> Engine:
@@ -213,10 +217,14 @@ class Balance:
         Raises:
             ValueError: n_samples below the global batch.
         """
-        e = self.engine
-        e.plan.set_length(n_samples)
-        return BalancedBatchSampler(e.plan, e.plan.n_samples, self.settings.seed if seed is None else
-                                    whole("seed", seed, 0), e.start_epoch)
+        self._length = epoch_length(self.settings, n_samples)  # the world may bind later (Lightning's launcher)
+        if self._engine is not None:
+            self._engine.plan.set_length(self._length)
+        return BalancedBatchSampler(self._plan, self._length, self.settings.seed if seed is None else
+                                    whole("seed", seed, 0), self.set_epoch)
+
+    def _plan(self) -> Plan:
+        return self.engine.plan
 
     def set_epoch(self, epoch: int) -> None:
         """Before iterating the loader each epoch (the permutation and the emulator follow it); idempotent.

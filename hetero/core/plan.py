@@ -39,6 +39,14 @@ class At:
     started: bool = False
 
 
+
+def epoch_length(settings: Settings, n_samples: int) -> int:
+    """n_samples checked as an epoch's length: a whole number of at least one global batch."""
+    n = whole("n_samples", n_samples, 1)
+    if settings.global_batch > n:
+        raise ValueError(f"global batch {settings.global_batch} exceeds the {n} samples")
+    return n
+
 class Plan:
     """The schedule of sizes, the position, the decision window and the balancer of one rank's Balance."""
 
@@ -107,9 +115,7 @@ class Plan:
 
     def set_length(self, n_samples: int) -> None:
         """The epoch's length: floor(n / B) steps."""
-        n = whole("n_samples", n_samples, 1)
-        if self.settings.global_batch > n:
-            raise ValueError(f"global batch {self.settings.global_batch} exceeds the {n} samples")
+        n = epoch_length(self.settings, n_samples)
         self.n_samples, self.steps_per_epoch = n, n // self.settings.global_batch
 
     def start_iteration(self, epoch: int) -> int:

@@ -43,14 +43,18 @@ class EpochPlan:
 class BalancedBatchSampler(torch.utils.data.Sampler):
     """Rank r's slice of each step's window of one shared per-epoch permutation (sampler.EpochPlan); with a
     micro_batch m, the slice in k_r micro-batches of m (each rank's slice is a whole number of them). Made by
-    Balance.batch_sampler; it reads the plan of sizes (plan.py) and starts epochs through `start_epoch`."""
+    Balance.batch_sampler; it reads the plan of sizes (plan.py) and starts epochs through `start_epoch`.
 
-    def __init__(self, plan: Plan, n_samples: int, seed: int, start_epoch: Callable[[int], None]):
+    The plan comes from `plan()` when first needed, not at construction: a launcher that starts the processes after
+    the loader is built (Lightning's own) binds the world in between, and the sampler reads that world's plan."""
+
+    def __init__(self, plan: Callable[[], Plan], n_samples: int, seed: int, start_epoch: Callable[[int], None]):
         self._plan, self.n_samples, self.seed, self._start_epoch = plan, n_samples, seed, start_epoch
 
     def __len__(self) -> int:
         """Batches per epoch; with micro-batches an estimate (the counts may change within the epoch)."""
-        p, m = self._plan, self._plan.settings.micro_batch
+        p = self._plan()
+        m = p.settings.micro_batch
         return p.steps_per_epoch * (int(p.balancer.sizes[p.rank]) // m if m else 1)
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
@@ -59,10 +63,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def plan(self, epoch: int, device: torch.device | str = "cpu") -> EpochPlan:
         """The epoch's shared permutation, for a loop that cuts its own batches (on the device: the built-in
         trainer): its `indices(step, bal.sizes_at(epoch, step), rank)` is what iterating would hand out."""
-        return EpochPlan(self.n_samples, self._plan.settings.global_batch, self.seed, epoch, device)
+        return EpochPlan(self.n_samples, self._plan().settings.global_batch, self.seed, epoch, device)
 
     def __iter__(self) -> Iterator[list[int]]:
-        p = self._plan
+        p = self._plan()
         epoch = p.at.epoch
         first = p.start_iteration(epoch)  # refuses a second pass; > 0 in an epoch resumed mid-way
         plan = self.plan(epoch)

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..core import safeio
-from .checkpoint import opened, sealed
+from .checkpoint import damage, opened, sealed
 from .config import Config, ConfigError, default_run_dir
 
 CONFIG, SUMMARY, CHECKPOINT, LOCK = "config.json", "summary.json", "checkpoint.pt", ".lock"
@@ -362,6 +362,9 @@ class RunFolder:
             safeio.regular_file(path, "cannot resume: the checkpoint")  # a FIFO would block torch.load for ever
         except safeio.UnsafeFile as e:
             raise ConfigError(e.strerror) from None
+        if zipfile.is_zipfile(path) and (what := damage(path)) is not None:
+            raise ConfigError(f"cannot resume: {path} fails its integrity check (its bytes are damaged: {what}); "
+                              f"nothing was changed: restore it, or start the run again")
         try:
             return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as e:  # weights_only refuses anything but plain data: say what, not how

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -102,10 +103,27 @@ def test_a_step_moved_by_one_fails_the_digest_and_changes_nothing(step_run, tmp_
     assert _files(run) == before
 
 
-def test_64_bytes_overwritten_mid_file_are_one_line_and_change_nothing(step_run, tmp_path):
+def _where(path: Path, place: str) -> int:
+    """An offset in the checkpoint's zip: the middle of the file, inside the largest tensor's bytes, the local
+    header of the middle entry (its name and padding, which the content never shows), the central directory."""
+    size = path.stat().st_size
+    with zipfile.ZipFile(path) as z:
+        infos = z.infolist()
+        big = max(infos, key=lambda i: i.file_size)
+        if place == "mid":
+            return size // 2
+        if place == "tensor":
+            return big.header_offset + 30 + len(big.filename) + 200
+        if place == "header":
+            return infos[len(infos) // 2].header_offset + 30
+        return z.start_dir + 10 if hasattr(z, "start_dir") else size - 200
+
+
+@pytest.mark.parametrize("place", ["mid", "tensor", "header", "directory"])
+def test_64_bytes_overwritten_are_one_line_and_change_nothing(place, step_run, tmp_path):
     run = _copy(step_run, tmp_path)
     data = bytearray((run / "checkpoint.pt").read_bytes())
-    mid = len(data) // 2
+    mid = _where(run / "checkpoint.pt", place)
     data[mid:mid + 64] = bytes(range(64))
     (run / "checkpoint.pt").write_bytes(bytes(data))
     before = _files(run)

@@ -40,6 +40,15 @@ def launcher_world() -> tuple[int, int] | None:
     return None
 
 
+def lone_world() -> tuple[int, int]:
+    """(0, 1) for a Balance first used with no launcher's world; a WORLD_SIZE without RANK or a process group is
+    refused, never guessed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise HeteroError("hetero: WORLD_SIZE is set but neither RANK nor a process group: build the Balance after "
+                          "init_process_group, run under torchrun, or (Lightning) use hetero.BalanceCallback")
+    return 0, 1
+
+
 def gather_json(obj, device: torch.device) -> list:
     """Every rank's JSON-able obj, in rank order (plain data only: nothing unpickled from a peer)."""
     settle.collectives()

@@ -22,13 +22,11 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .agree import HeteroError, gather_identities, launcher_world
+from .agree import HeteroError, launcher_world, lone_world
+from .attach import attach, bind, plug
 from .emulator import parse_hetero
-from .engine import Engine, emulated
-from .guard import OptimizerGuard
-from .hook import balance_hook
+from .engine import Engine
 from .metrics import metrics as read_out
 from .plan import Plan, epoch_length
 from .probe import probe_all
@@ -36,7 +34,6 @@ from .records import Decision, StepRecord
 from .rules import whole
 from .sampler import BalancedBatchSampler
 from .settings import Settings
-from .settle import settle
 
 __all__ = ["Balance"]
 
@@ -89,31 +86,14 @@ class Balance:
         Raises:
             HeteroError: the Balance is already bound to another rank or world.
         """
-        if self._engine is not None:
-            if (rank, world) != (self._engine.rank, self._engine.world):
-                raise HeteroError(f"hetero: this Balance was already used as rank {self._engine.rank} of "
-                                  f"{self._engine.world}, but the launcher says rank {rank} of {world}: build it in "
-                                  f"the launched process")
-            return
-        rank, world = whole("rank", rank, 0), whole("world", world, 1)
-        if rank >= world:
-            raise ValueError(f"rank {rank} outside a world of {world}")
-        self._engine = Engine.build(self.settings, rank, world, self._hetero, self._replay)
-        if self._length:
-            self._engine.plan.set_length(self._length)
+        self._engine = bind(self._engine, self.settings, rank, world, self._hetero, self._replay, self._length)
 
     @property
     def engine(self) -> Engine:
         """The step engine (engine.py): the extension surface of integrations; binds the world when first used.
         A world that cannot be read (WORLD_SIZE without RANK or a process group) is refused, never guessed."""
         if self._engine is None:
-            import os
-
-            if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                raise HeteroError("hetero: WORLD_SIZE is set but neither RANK nor a process group: build the "
-                                  "Balance after init_process_group, run under torchrun, or (Lightning) use "
-                                  "hetero.BalanceCallback")
-            self.set_world(0, 1)
+            self.set_world(*lone_world())
         return self._engine
 
     @property
@@ -138,13 +118,8 @@ class Balance:
         if not isinstance(spec, str):
             raise ValueError(f"hetero must be a string such as '1:slowdown=3' (got {spec!r})")
         parse_hetero(spec)  # a bad spec fails here, in one line
-        if self._engine is not None and self._engine.model is not None:
-            raise HeteroError("hetero: emulate() after attach: plug the emulation in before bal.attach(model)")
+        plug(self._engine, "emulate", hetero=spec)  # unbound: Engine.build takes it (Lightning: in setup)
         self._hetero = spec
-        if (e := self._engine) is not None:  # else when the world is bound (Lightning: the callback's setup)
-            e.emulator, e.hetero = emulated(spec, e.rank, e.world, self.settings.seed), spec
-            if e.plan.at.started:  # plugged in mid-run: its draws follow the epoch already started
-                e.emulator.start_epoch(e.plan.at.epoch)
 
     def replay(self, sizes: dict[int, np.ndarray]) -> None:
         """Train with recorded sizes {epoch: [steps, world]} instead of deciding (no decisions are made).
@@ -152,24 +127,18 @@ class Balance:
         Raises:
             HeteroError: called after attach.
         """
-        if self._engine is not None and self._engine.model is not None:
-            raise HeteroError("hetero: replay() after attach: plug the recorded sizes in before bal.attach(model)")
+        plug(self._engine, "replay", replay=sizes)
         self._replay = sizes
-        if self._engine is not None:
-            self._engine.plan.replayed = sizes
 
     # -- set-up ----------------------------------------------------------------------------------------------
     def probe(self, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device,
               autocast=None, memory_format=torch.contiguous_format, gpu: str = "") -> list[float]:
         """Collective, before DDP: ranks set to max_batch "probe" find their largest batch on their GPU (a CPU rank
-        gets no limit).
+        gets no limit). Returns every rank's largest batch (inf: none); with micro_batch it bounds m.
 
         Args:
             model: the bare model (not yet wrapped in DDP); sample_shape, classes: one sample's shape, the labels.
             gpu: this rank's physical GPU (memory.gpu_identity; found when empty): ranks sharing one are refused.
-
-        Returns:
-            Every rank's largest batch (inf: none); with micro_batch it bounds m.
 
         Raises:
             HeteroError: on every rank alike, when a rank's probe failed or probing ranks share a GPU.
@@ -187,26 +156,7 @@ class Balance:
             ValueError: a model that is neither (one line saying what to do), or "probe" without bal.probe.
             HeteroError: a second attach, or ranks whose settings differ (naming the field, on every rank).
         """
-        e = self.engine
-        if e.model is not None:
-            raise HeteroError("hetero: this Balance is attached already (one Balance per model): build a new "
-                              "Balance for another model")
-        if any(e.plan.probes) and not self._probed:
-            raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
-        from . import fsdp  # torch only; refuses FSDP1, DDP around FSDP2, a non-root, ...
-
-        if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, e.world):
-            e.fsdp = fsdp.attach(e, model)
-        settle.collectives()  # this process runs collectives: its exit waits for gloo's threads (settle.py)
-        e.device = next(model.parameters()).device
-        e.coll = e.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        e.agree("attach")
-        e.plan.identities = gather_identities(self.settings.worker_id, e.device, e.coll)
-        if e.fsdp is None:
-            model.register_comm_hook(e, balance_hook)
-        model.register_forward_pre_hook(e.count_forward)
-        self._guard = OptimizerGuard(e, model)
-        e.model = model
+        self._guard = attach(self.engine, model, self._probed)
 
     # -- the epoch and its steps -----------------------------------------------------------------------------
     def batch_sampler(self, n_samples: int, seed: int | None = None) -> BalancedBatchSampler:
@@ -219,7 +169,7 @@ class Balance:
         """
         self._length = epoch_length(self.settings, n_samples)  # the world may bind later (Lightning's launcher)
         if self._engine is not None:
-            self._engine.plan.set_length(self._length)
+            self._engine.plan.set_length(n_samples)
         return BalancedBatchSampler(self._plan, self._length, self.settings.seed if seed is None else
                                     whole("seed", seed, 0), self.set_epoch)
 
@@ -266,10 +216,9 @@ class Balance:
     @property
     def micro_batches(self) -> int:
         """This rank's micro-batches in the current step (the next one, between steps); 1 without micro_batch."""
-        e = self.engine
+        e, m = self.engine, self.settings.micro_batch
         if e.step is not None:
             return e.step.expected
-        m = self.settings.micro_batch
         return int(self.sizes_at(e.plan.at.epoch, e.plan.at.step)[e.rank]) // m if m else 1
 
     # -- what a user reads -----------------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
     bal = _balance(monkeypatch, 0, global_batch=32, max_batch=["probe", 8])
     with pytest.raises(ValueError, match="call bal.probe"):
         bal.attach(torch.nn.Linear(2, 2))  # refused before anything touches the model
-    monkeypatch.setattr(hetero.core.balance.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(hetero.core.attach.dist, "get_backend", lambda: "gloo")
     monkeypatch.setattr(hetero.core.probe.dist, "is_initialized", lambda: True)  # rank 1, not probing, answers:
     monkeypatch.setattr(hetero.core.probe, "gather_json", lambda row, device: [row, {**row, "limit": None}])
     limits = bal.probe(torch.nn.Linear(2, 2), (2,), 2, torch.device("cpu"))

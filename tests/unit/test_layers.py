@@ -124,3 +124,16 @@ def test_the_core_import_graph_has_no_cycle():
     for m in sorted(graph):
         visit(m, ())
     assert graph["balance"] >= {"engine", "settings", "sampler"} and graph["engine"] >= {"plan"}  # top-down
+
+
+def test_the_front_stays_thin():
+    """Issue 33: the Balance class holds the user's verbs and delegates; it stays under 250 lines (docstrings
+    included) and about 20 public names, the parts beneath it doing the work."""
+    import inspect
+
+    from hetero import Balance
+
+    lines, _ = inspect.getsourcelines(Balance)
+    public = [n for n in vars(Balance) if not n.startswith("_")]
+    assert len(lines) < 250, len(lines)
+    assert len(public) <= 24, public

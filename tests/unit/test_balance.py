@@ -26,6 +26,24 @@ def _balance(monkeypatch, rank: int, world: int = 2, emulate: str = "", replay=N
 
 
 # -- one process: the sampler's cut ----------------------------------------------------------------------------
+def test_a_loader_built_before_the_world_is_bound_reads_that_world(monkeypatch):
+    """Lightning's own launcher: the script builds the Balance, its emulation and the loader's sampler in a process
+    with no world yet, and the callback binds rank 1 of 2 later. The sampler then hands out rank 1's slices of a
+    2-rank plan (a sampler that bound a 1-rank world at construction refused "1:slowdown=3" outright)."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    bal = hetero.Balance(global_batch=32)
+    bal.emulate("1:slowdown=3")
+    sampler = bal.batch_sampler(100, seed=4)
+    with pytest.raises(ValueError, match="exceeds the 16 samples"):
+        bal.batch_sampler(16)  # the length is still checked at once
+    bal.set_world(1, 2)
+    bal.set_epoch(0)
+    batches = list(sampler)
+    assert len(sampler) == len(batches) == 3 and bal.size == 2
+    assert batches[0] == EpochPlan(100, 32, 4, 0).perm[16:32].tolist()  # rank 1's half of step 0's window
+
+
 @pytest.mark.parametrize("n, B, limits", [(100, 32, [5, None]), (97, 10, [None, 3]), (64, 64, None)])
 def test_sampler_slices_are_disjoint_complete_and_equal_in_steps(monkeypatch, n, B, limits):
     per_rank = []

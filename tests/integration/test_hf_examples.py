@@ -105,8 +105,11 @@ def test_a_resumed_trainer_run_keeps_hetero_sizes_and_coverage(tmp_path):
 
 
 def test_trainer_example_accumulates_per_rank_counts_and_covers_every_sample(tmp_path):
-    """--grad-accum 4: micro-batches of 32 / (2 x 4) = 4 samples; the slow rank runs far fewer of them per step."""
+    """--grad-accum 4: micro-batches of 32 / (2 x 4) = 4 samples; the slow rank runs far fewer of them per step, and
+    the loss falls as the plain Trainer's with the same B = 32 and G = 4 (hf_trainer_baseline.py --grad-accum 4)."""
     ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--grad-accum", "4", "--out", str(tmp_path / "out"))
+    base = _launch("hf_trainer_baseline.py", tmp_path, "--grad-accum", "4", "--out", str(tmp_path / "base"),
+                   name="base")
     for epoch in ("0", "1"):
         assert sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]) == list(range(SUBSET))
     d = ranks[0]["decisions"]
@@ -114,5 +117,7 @@ def test_trainer_example_accumulates_per_rank_counts_and_covers_every_sample(tmp
     fast, slow = (size // 4 for size in d[-1]["sizes"])
     assert fast + slow == 8 and slow <= fast / 2, f"micro-batch counts {fast} and {slow}"
     assert all(size == 4 for rank in ranks for _, size in rank["batches"])  # every forward one micro-batch of 4
-    losses = ranks[0]["losses"]
-    assert losses[-1] < 0.9 * losses[0]
+    losses, baseline = ranks[0]["losses"], base[0]["losses"]
+    assert len(losses) == len(baseline) == 2 * STEPS // 5  # the Trainer logs at the same optimizer steps
+    assert losses[-1] < 0.9 * losses[0] and baseline[-1] < 0.9 * baseline[0]
+    assert abs(losses[-1] - baseline[-1]) < 0.1 * baseline[-1], f"loss {losses} against the baseline's {baseline}"

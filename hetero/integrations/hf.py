@@ -12,6 +12,8 @@ What it changes in the Trainer (docs/huggingface.md):
   decisions every K steps and at epoch ends) and attaches the comm hook to the Trainer's DDP model;
 - training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
 - hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...) (hf_resume.py).
+- on FSDP2 (fsdp_config fsdp_version 2) the Balance attaches to the fully_shard'ed root: hetero's weighted
+  reduce-scatter in place of the comm hook, its micro-batch schedule in place of no_sync (hf_fsdp.py).
 
 The loss conventions, decided at each train()'s first step from what the loss does (hf_loss.decide, collective),
 not from the forward's signature (BERT's forward(**kwargs) takes num_items_in_batch and never reads it):

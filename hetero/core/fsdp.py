@@ -149,8 +149,9 @@ class FSDPSchedule:
 
     def __init__(self, engine: Engine, model: nn.Module):
         self.modules = fsdp_modules(model)
-        # one reduce-scatter per step for each FSDP module that manages a trainable parameter
-        reduces = sum(any(p.requires_grad for p in _own_params(m)) for m in self.modules)
+        # one reduce-scatter per step for each FSDP state (param group) managing a trainable parameter: modules
+        # sharded together, fully_shard([norm, lm_head]) as accelerate's FSDP2 plugin does, share one state
+        reduces = len({id(m._get_fsdp_state()) for m in self.modules if any(p.requires_grad for p in _own_params(m))})
         if not reduces:
             raise ValueError("the FSDP2 model has no trainable parameters")
         reduce_scatter, all_gather = WeightedReduceScatter(engine, reduces), TimedAllGather(engine)

@@ -12,6 +12,8 @@ What it changes in the Trainer (docs/huggingface.md):
   decisions every K steps and at epoch ends) and attaches the comm hook to the Trainer's DDP model;
 - training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
 - hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...) (hf_resume.py).
+- on FSDP2 (fsdp_config fsdp_version 2) the Balance attaches to the fully_shard'ed root: hetero's weighted
+  reduce-scatter in place of the comm hook, its micro-batch schedule in place of no_sync (hf_fsdp.py).
 
 The loss conventions, decided at each train()'s first step from what the loss does (hf_loss.decide, collective),
 not from the forward's signature (BERT's forward(**kwargs) takes num_items_in_batch and never reads it):
@@ -41,9 +43,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
-from ..core import safeio
+from ..core import fsdp, safeio
 from ..core.balance import Balance
-from . import hf_accumulate, hf_loss, hf_resume
+from . import hf_accumulate, hf_fsdp, hf_loss, hf_resume
 from .hf_metrics import register as register_metrics
 
 STATE_NAME = hf_resume.STATE_NAME  # in each checkpoint-N folder, beside trainer_state.json
@@ -89,6 +91,8 @@ class HeteroTrainer(Trainer):
                              f"hetero's sampler decides every rank's samples")
         if a.auto_find_batch_size:
             raise ValueError("hetero: auto_find_batch_size is not supported: set the Balance's max_batch")
+        if (why := hf_fsdp.refusal(self)) is not None:
+            raise ValueError(why)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """Trainer.train, and hetero's sizes and decisions read back from the checkpoint folder when resuming."""
@@ -151,8 +155,9 @@ class HeteroTrainer(Trainer):
             return batches, num_items
         dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
         passed = num_items if self.model_accepts_loss_kwargs or self.compute_loss_func else None
-        if self._loss_kind is None:
-            self._loss_kind = hf_loss.decide(self, batches[0], passed, dev)
+        if self._loss_kind is None:  # FSDP2: the probe's forwards, unequal per rank, must not all-gather
+            with hf_fsdp.gathered(self.model_wrapped):
+                self._loss_kind = hf_loss.decide(self, batches[0], passed, dev)
         kind, own = self._loss_kind, None
         if kind == "trainer" and passed is not None and not self.args.average_tokens_across_devices:
             own = float(num_items)  # (b) with the Trainer's count: this rank's own (not gathered)
@@ -204,7 +209,10 @@ class HeteroTrainer(Trainer):
             # a mean's micro-batch counts by its share of this rank's count (the Trainer's own count already does)
             self._micro_scale = counts[j] / sum(counts) if kind != "trainer" else 1.0
             self.current_gradient_accumulation_steps = 1  # the weights carry the accumulation, not a division by G
-            with model.no_sync() if j < len(micro) - 1 else nullcontext():  # one all-reduce: the last micro-batch
+            if bal.engine.fsdp is not None:  # FSDP2: unsharded for the step, one reduce-scatter on the last
+                hf_fsdp.micro(bal, j, len(micro))
+            sync = j == len(micro) - 1 or bal.engine.fsdp is not None
+            with nullcontext() if sync else model.no_sync():  # DDP: one all-reduce, on the last micro-batch
                 loss = loss + super().training_step(model, batch, num_items_in_batch)
         self._micro_scale = 1.0
         # the Trainer logs the mean of the ranks' losses: scaled so, it is the weighted mean, the global batch's
@@ -224,19 +232,19 @@ class HeteroTrainer(Trainer):
 
 
 class _BalanceSteps(TrainerCallback):
-    """Attaches the Balance to the Trainer's DDP model, brackets its optimizer steps and saves its state."""
+    """Attaches the Balance to the Trainer's DDP or FSDP2 model, brackets its optimizer steps and saves its state."""
 
     def __init__(self, trainer: HeteroTrainer):
         self.trainer, self.epoch, self._ddp = trainer, 0, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         bal, ddp = self.trainer.balance, self.trainer.model_wrapped
-        if not isinstance(ddp, DistributedDataParallel):
+        if not isinstance(ddp, DistributedDataParallel) and not fsdp.is_fsdp(ddp):
             hint = ("; on CPU ranks set TrainingArguments(use_cpu=True), or accelerate runs no DDP" if
-                    args.parallel_mode.value != "distributed" else ": FSDP, DeepSpeed and model parallelism are not "
+                    args.parallel_mode.value != "distributed" else ": DeepSpeed and model parallelism are not "
                     "supported")
-            raise ValueError(f"hetero: the Trainer's model is a {type(ddp).__name__}, not DistributedDataParallel, "
-                             f"which hetero weights{hint}")
+            raise ValueError(f"hetero: the Trainer's model is a {type(ddp).__name__}, neither DistributedDataParallel "
+                             f"nor an FSDP2 root (fsdp_config fsdp_version 2), which hetero weights{hint}")
         if ddp is not self._ddp:  # a second train() on the same DDP model keeps its hook (DDP takes one)
             bal.attach(ddp)
             self._ddp = ddp

@@ -10,8 +10,21 @@ length is world times the steps per epoch. hetero's loader is never sharded: its
 epoch of the global batch. A schedule sized `len(loader) * epochs`, as upstream's examples write it, would reach its
 end after 1/world of training (LR 0 at the end of epoch 1 of 2 on two ranks). `prepare` sets the prepared
 scheduler's `split_batches`, accelerate's own switch for "one scheduler step per optimizer step", and keeps
-everything else of AcceleratedScheduler (no step when the optimizer step was skipped, accumulation's
-non-sync micro-steps).
+everything else of AcceleratedScheduler (no step when the optimizer step was skipped).
+
+Accumulation: `accelerator.accumulate(model)` counts a fixed `gradient_accumulation_steps` on every rank, and
+`accelerator.backward` divides each loss by it; hetero's ranks run their own counts k_i. So the Accelerator keeps
+gradient_accumulation_steps=1 (prepare refuses another value in one line) and hetero's own context takes the place
+of accelerate's, as short (docs/huggingface.md#accelerate-accumulation):
+
+    for batch in loader:                       # Balance(micro_batch=m): micro-batches of m, k_i per rank and step
+        with bal.step():                       # in place of accelerator.accumulate(model): no_sync but the last
+            accelerator.backward(model(**batch).loss)
+            if bal.sync_now:                   # the step's last micro-batch: gradients summed over the ranks
+                opt.step(); sched.step(); opt.zero_grad()
+
+An FSDP2 model (FullyShardedDataParallelPlugin(fsdp_version=2)) attaches the same way: prepare returns the
+fully_shard'ed root, and attach installs hetero's weighted reduce-scatter on it (hetero.core.fsdp).
 """
 from __future__ import annotations
 
@@ -35,10 +48,15 @@ def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
     if any(isinstance(o, DataLoader) for o in objects):
         raise ValueError("hetero: leave hetero's DataLoader out of prepare: accelerate would shard its batch sampler "
                          "again (BatchSamplerShard) and hand this rank every world-th of its own batches")
+    if (g := accelerator.gradient_accumulation_steps) != 1:
+        raise ValueError(f"hetero: Accelerator(gradient_accumulation_steps={g}) accumulates the same count on every "
+                         f"rank (and accelerator.backward divides by it): keep it 1 and accumulate per rank with "
+                         f"Balance(micro_batch=m), each micro-batch in `with bal.step():`, stepping the optimizer "
+                         f"where bal.sync_now")
     if (n := sum(isinstance(o, torch.nn.Module) for o in objects)) != 1:
         raise ValueError(f"hetero: prepare takes exactly one model ({n} given): the one whose gradient hetero weights")
     prepared = accelerator.prepare(*objects)
-    out = prepared if isinstance(prepared, tuple) else (prepared,)
+    out = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)  # FSDP2's prepare: a list
     balance.attach(next(p for o, p in zip(objects, out) if isinstance(o, torch.nn.Module)))
     for sched in out:
         if isinstance(sched, AcceleratedScheduler):

@@ -1,6 +1,9 @@
 """The Hugging Face Trainer with hetero over the plain Trainer (part "hf" of `make bench`): no heterogeneity, 2 CPU
 ranks, the same tiny GPT-2, token rows and TrainingArguments; runs of the two take turns in the same processes, so
 load from elsewhere falls on both alike. hetero runs edp, deciding every REBALANCE_EVERY steps (its gathers count).
+The accumulation case, in the same turns: gradient_accumulation_steps ACCUM, micro-batches of PER_RANK // ACCUM,
+the same global batch B; hetero with Balance(micro_batch=m) (each rank's own count k_i, even here) against the plain
+Trainer's G.
 
     torchrun --standalone --nproc-per-node=2 -m hetero.lab.hfbench --out FILE --runs R --steps S
 """
@@ -20,7 +23,8 @@ from .launch import clean_env, torchrun_cmd
 from .measure import launch
 
 REBALANCE_EVERY = 10
-KINDS = ("hetero", "plain")
+KINDS = ("hetero", "plain", "hetero_accum", "plain_accum")
+ACCUM = 4  # gradient_accumulation_steps of the accumulation case
 LENGTH, VOCAB, PER_RANK, WARMUP = 32, 64, 16, 3  # tokens per row, ids, rows per rank and step, steps not timed
 
 
@@ -52,13 +56,16 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=2,
                                            bos_token_id=None, eos_token_id=None))
         model.loss_type = "ForCausalLM"
-        args = TrainingArguments(output_dir=str(out.with_suffix("")), per_device_train_batch_size=PER_RANK,
-                                 max_steps=steps, use_cpu=True, save_strategy="no", logging_strategy="no",
-                                 report_to=[], disable_tqdm=True, seed=seed, ddp_find_unused_parameters=False)
+        g = ACCUM if kind.endswith("_accum") else 1
+        args = TrainingArguments(output_dir=str(out.with_suffix("")), per_device_train_batch_size=PER_RANK // g,
+                                 gradient_accumulation_steps=g, max_steps=steps, use_cpu=True, save_strategy="no",
+                                 logging_strategy="no", report_to=[], disable_tqdm=True, seed=seed,
+                                 ddp_find_unused_parameters=False)
         clock = Clock()
         common = dict(model=model, args=args, train_dataset=rows, callbacks=[clock])
-        if kind == "hetero":
-            bal = Balance(global_batch=PER_RANK * world, scheme="edp", rebalance_every=REBALANCE_EVERY, seed=seed)
+        if kind.startswith("hetero"):
+            bal = Balance(global_batch=PER_RANK * world, scheme="edp", rebalance_every=REBALANCE_EVERY, seed=seed,
+                          micro_batch=PER_RANK // g if g > 1 else 0)
             trainer = HeteroTrainer(balance=bal, **common)
         else:
             trainer = Trainer(**common)
@@ -67,7 +74,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
 
     step_s: dict[str, list[float]] = {k: [] for k in KINDS}
     for run in range(runs):
-        for kind in (KINDS if run % 2 else KINDS[::-1]):  # back to back, in turn
+        for kind in (KINDS if run % 2 else KINDS[::-1]):  # back to back, in turn (each pair adjacent)
             step_s[kind].append(one_run(kind, run))
     if dist.get_rank() == 0:
         safeio.write_text(out, json.dumps({"step_s": step_s, "steps": steps, "world": world}))
@@ -89,12 +96,18 @@ def measure(out: Path, runs: int, steps: int, notes: list[str]) -> dict | None:
     launch(torchrun_cmd(2, ["--out", str(res), "--runs", str(runs), "--steps", str(steps)], "hetero.lab.hfbench"),
            out / "logs" / "hf.log", 900, env, done=res, notes=notes)
     d = json.loads(res.read_text())
-    het, plain = np.array(d["step_s"]["hetero"]), np.array(d["step_s"]["plain"])
+
+    def ratio(het: np.ndarray, plain: np.ndarray) -> dict:
+        return {"ratio": float(np.median(het / plain)), "ratio_of_medians": float(np.median(het) / np.median(plain)),
+                "hetero_step_s": float(np.median(het)), "plain_step_s": float(np.median(plain)),
+                "extra_ms_per_step": 1e3 * float(np.median(het) - np.median(plain)),
+                "pair_ratios": (het / plain).tolist()}
+    step_s = {k: np.array(v) for k, v in d["step_s"].items()}
+    accum = {"gradient_accumulation_steps": ACCUM, "micro_batch": PER_RANK // ACCUM,
+             **ratio(step_s["hetero_accum"], step_s["plain_accum"])}
     return {"world": d["world"], "global_batch": PER_RANK * d["world"], "steps": steps, "runs": runs,
-            "ratio": float(np.median(het / plain)), "ratio_of_medians": float(np.median(het) / np.median(plain)),
-            "hetero_step_s": float(np.median(het)), "plain_step_s": float(np.median(plain)),
-            "extra_ms_per_step": 1e3 * float(np.median(het) - np.median(plain)), "pair_ratios": (het / plain).tolist(),
-            "step_s": d["step_s"], "rebalance_every": REBALANCE_EVERY}
+            **ratio(step_s["hetero"], step_s["plain"]), "accumulation": accum, "step_s": d["step_s"],
+            "rebalance_every": REBALANCE_EVERY}
 
 
 def main(argv: list[str] | None = None) -> int:

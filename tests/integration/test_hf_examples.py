@@ -3,10 +3,13 @@ docs/huggingface.md (the page of these examples; they need 12,288 characters, do
 emulated 3x slower and rebalancing every 5 steps (the Trainer's with 2 DataLoader workers): every sample of each
 epoch is consumed exactly once across the ranks, the slow rank's share falls well below a half, and the loss falls
 as the same script's without hetero. A Trainer run stopped after a save_steps checkpoint resumes with hetero's
-sizes and coverage intact. (The exact gradient in both loss conventions is proved in test_hf.py.)"""
+sizes and coverage intact; with --grad-accum 4 the slow rank runs fewer micro-batches and the loss falls as the plain
+Trainer's with the same B and G; the ported run_clm.py accumulates per rank and learns. (The exact gradient in both
+loss conventions is proved in test_hf.py, test_hf_accumulation.py and test_hf_fsdp.py.)"""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -105,8 +108,11 @@ def test_a_resumed_trainer_run_keeps_hetero_sizes_and_coverage(tmp_path):
 
 
 def test_trainer_example_accumulates_per_rank_counts_and_covers_every_sample(tmp_path):
-    """--grad-accum 4: micro-batches of 32 / (2 x 4) = 4 samples; the slow rank runs far fewer of them per step."""
+    """--grad-accum 4: micro-batches of 32 / (2 x 4) = 4 samples; the slow rank runs far fewer of them per step, and
+    the loss falls as the plain Trainer's with the same B = 32 and G = 4 (hf_trainer_baseline.py --grad-accum 4)."""
     ranks = _launch("hf_trainer.py", tmp_path, *HETERO, "--grad-accum", "4", "--out", str(tmp_path / "out"))
+    base = _launch("hf_trainer_baseline.py", tmp_path, "--grad-accum", "4", "--out", str(tmp_path / "base"),
+                   name="base")
     for epoch in ("0", "1"):
         assert sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]) == list(range(SUBSET))
     d = ranks[0]["decisions"]
@@ -114,5 +120,30 @@ def test_trainer_example_accumulates_per_rank_counts_and_covers_every_sample(tmp
     fast, slow = (size // 4 for size in d[-1]["sizes"])
     assert fast + slow == 8 and slow <= fast / 2, f"micro-batch counts {fast} and {slow}"
     assert all(size == 4 for rank in ranks for _, size in rank["batches"])  # every forward one micro-batch of 4
-    losses = ranks[0]["losses"]
-    assert losses[-1] < 0.9 * losses[0]
+    losses, baseline = ranks[0]["losses"], base[0]["losses"]
+    assert len(losses) == len(baseline) == 2 * STEPS // 5  # the Trainer logs at the same optimizer steps
+    assert losses[-1] < 0.9 * losses[0] and baseline[-1] < 0.9 * baseline[0]
+    assert abs(losses[-1] - baseline[-1]) < 0.1 * baseline[-1], f"loss {losses} against the baseline's {baseline}"
+
+
+def test_the_ported_run_clm_accumulates_per_rank_and_learns(tmp_path):
+    """examples/run_clm.py (transformers' run_clm.py ported): a config-built GPT-2, a BPE tokenizer trained on the
+    local text, G = 2 micro-batches of 4 on average per rank; the slow rank ends with fewer micro-batches, the
+    Trainer counts the plain Trainer's optimizer steps (2 epochs of 256 // 16) and the loss falls."""
+    out = tmp_path / "clm"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--log-dir=/dev/null",
+           str(ROOT / "examples" / "run_clm.py"), "--train_file", str(TEXT), "--model_type", "gpt2",
+           "--config_overrides", "n_embd=64,n_layer=2,n_head=2,n_positions=64,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
+           "--block_size", "32", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+           "--num_train_epochs", "2", "--max_train_samples", "256", "--learning_rate", "3e-3", "--do_train",
+           "--do_eval", "--output_dir", str(out), "--use_cpu", "--hetero", "1:slowdown=3", "--rebalance_every", "5",
+           "--logging_steps", "4", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
+    p = subprocess.run(cmd, cwd=ROOT, env={**clean_env(threads="1"), "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, f"run_clm.py exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 * 256 // 16
+    logs = [h for h in state["log_history"] if "loss" in h]
+    assert logs[-1]["loss"] < 0.9 * logs[0]["loss"]
+    assert logs[-1]["hetero/rank1/batch_size"] < logs[-1]["hetero/rank0/batch_size"] / 2  # in samples: 4 k_i
+    assert json.loads((out / "eval_results.json").read_text())["perplexity"] < math.exp(logs[0]["loss"])

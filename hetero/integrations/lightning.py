@@ -1,4 +1,4 @@
-"""hetero for PyTorch Lightning: a Callback that attaches a Balance to the strategy's DDP model and brackets steps.
+"""hetero for PyTorch Lightning: a Callback that attaches a Balance to the strategy's model and brackets its steps.
 
     bal = hetero.Balance(scheme="edp", global_batch=256, rebalance_every=10)
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)), num_workers=2)
@@ -14,6 +14,15 @@ Checkpoints: the callback's state_dict is the Balance's (collective: Lightning b
 so a fit resumed with `trainer.fit(ckpt_path=...)` keeps every estimate, the sizes and, from a mid-epoch
 checkpoint, the position: the sampler then hands out the epoch's remaining steps, which Lightning numbers on from
 the saved batch index.
+
+Per-rank accumulation (Balance(micro_batch=m)): manual optimisation, training_step(self, dataloader_iter) pulling
+this rank's micro-batches, each in `with bal.step():`, the optimizer stepped where bal.sync_now. One Lightning batch
+must be one step on every rank: Lightning 2.6 broadcasts a flag from rank 0 at every batch
+(training_epoch_loop.py, advance -> _broadcast_sigterm_tensor), so ranks running k_i Lightning batches each would
+pair their collectives wrongly and hang. accumulate_grad_batches (one count on every rank) is refused.
+
+FSDP2: under ModelParallelStrategy (fully_shard in configure_model) Lightning wraps nothing; the callback attaches
+to the one outermost fully_shard'ed module, whose reduce-scatter hetero weights (core/fsdp.py).
 
 Why a callback and not DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...): Lightning 2.6 registers a comm hook
 only when the root device is CUDA (DDPStrategy._register_ddp_hooks), so on CPU ranks it would silently keep DDP's
@@ -32,7 +41,8 @@ from ..core.metrics import metrics
 
 
 class BalanceCallback(Callback):
-    """Per-rank batch sizes, the b_i/B weighting and rebalancing in a Lightning fit (automatic optimisation)."""
+    """Per-rank batch sizes (automatic optimisation) or per-rank counts of micro-batches (manual, on dataloader_iter),
+    the exact weighting and rebalancing in a Lightning fit, under DDPStrategy or ModelParallelStrategy (FSDP2)."""
 
     def __init__(self, balance: Balance):
         self.balance = balance

@@ -3,8 +3,7 @@ samples. `python lightning_exact.py OUT STRATEGY MODE [BREAK]`: Lightning's own 
 
 STRATEGY: ddp (DDPStrategy) or fsdp (ModelParallelStrategy, fully_shard in configure_model).
 MODE: micro (micro_batch 4, replayed counts k = [1, 3], manual optimisation: each batch in `with bal.step():`),
-      batch (no micro_batch, replayed sizes [3, 13], automatic optimisation), or accumulate
-      (Trainer(accumulate_grad_batches=2): refused in one line).
+      or batch (no micro_batch, replayed sizes [3, 13], automatic optimisation).
 BREAK (negative controls): double (this rank's weight doubled), remove (scheme "sync": the mean of the ranks'
       means, no b_i/B weighting), equal (counts [2, 2] instead of [1, 3]), tp (ModelParallelStrategy with
       tensor_parallel_size 2: refused in one line).
@@ -113,7 +112,6 @@ def main(out: str, strategy: str, mode: str, broken: str) -> int:
 
         strat = DDPStrategy(start_method="popen")
     trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strat, use_distributed_sampler=False,
-                        accumulate_grad_batches=2 if mode == "accumulate" else 1,
                         callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))

@@ -52,10 +52,14 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._plan, self.n_samples, self.seed, self._start_epoch = plan, n_samples, seed, start_epoch
 
     def __len__(self) -> int:
-        """Batches per epoch; with micro-batches an estimate (the counts may change within the epoch)."""
+        """Batches per epoch; with micro-batches at most this many: a rank's count may grow at any decision, and a
+        loader stopped at its length (Lightning stops it there) must not cut a step short."""
         p = self._plan()
         m = p.settings.micro_batch
-        return p.steps_per_epoch * (int(p.balancer.sizes[p.rank]) // m if m else 1)
+        if not m:
+            return p.steps_per_epoch
+        others = 0 if p.settings.sit_out else p.world - 1  # each other rank runs at least one micro-batch
+        return p.steps_per_epoch * max(1, p.settings.global_batch // m - others)
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
         self._start_epoch(epoch)

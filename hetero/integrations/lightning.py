@@ -1,4 +1,4 @@
-"""hetero for PyTorch Lightning: a Callback that attaches a Balance to the strategy's DDP model and brackets steps.
+"""hetero for PyTorch Lightning: a Callback that attaches a Balance to the strategy's model and brackets its steps.
 
     bal = hetero.Balance(scheme="edp", global_batch=256, rebalance_every=10)
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)), num_workers=2)
@@ -15,44 +15,88 @@ so a fit resumed with `trainer.fit(ckpt_path=...)` keeps every estimate, the siz
 checkpoint, the position: the sampler then hands out the epoch's remaining steps, which Lightning numbers on from
 the saved batch index.
 
+Per-rank accumulation (Balance(micro_batch=m)): manual optimisation, training_step(self, dataloader_iter) pulling
+this rank's micro-batches, each in `with bal.step():`, the optimizer stepped where bal.sync_now. One Lightning batch
+must be one step on every rank: Lightning 2.6 broadcasts a flag from rank 0 at every batch
+(training_epoch_loop.py, advance -> _broadcast_sigterm_tensor), so ranks running k_i Lightning batches each would
+pair their collectives wrongly and hang. accumulate_grad_batches (one count on every rank) is refused.
+
+FSDP2: under ModelParallelStrategy (fully_shard in configure_model) Lightning wraps nothing; the callback attaches
+to the one outermost fully_shard'ed module, whose reduce-scatter hetero weights (core/fsdp.py).
+
 Why a callback and not DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...): Lightning 2.6 registers a comm hook
 only when the root device is CUDA (DDPStrategy._register_ddp_hooks), so on CPU ranks it would silently keep DDP's
 plain mean. The callback registers the hook itself on every device; do not pass ddp_comm_hook as well.
 """
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
+from ..core.agree import HeteroError
 from ..core.balance import Balance
+from ..core.fsdp import fsdp_modules
 from ..core.metrics import metrics
 
 
 class BalanceCallback(Callback):
-    """Per-rank batch sizes, the b_i/B weighting and rebalancing in a Lightning fit (automatic optimisation)."""
+    """Per-rank batch sizes (automatic optimisation) or per-rank counts of micro-batches (manual, on dataloader_iter),
+    the exact weighting and rebalancing in a Lightning fit, under DDPStrategy or ModelParallelStrategy (FSDP2)."""
 
     def __init__(self, balance: Balance):
         self.balance = balance
+        self._decided, self._ddp = 0, False  # decisions logged so far; attached to DDP
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":  # in every launched process, before any batch: the rank and world Lightning assigned
             self.balance.set_world(trainer.global_rank, trainer.world_size)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self.balance.settings.micro_batch:  # Lightning accumulates one fixed count on every rank; k_i differs
-            raise ValueError("hetero: micro_batch is not supported with Lightning: use it in your own loop")
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError("hetero: accumulate_grad_batches is not supported: raise global_batch instead")
-        self.balance.attach(trainer.strategy.model)  # the DistributedDataParallel wrapper, built by now
+        if trainer.accumulate_grad_batches != 1:  # one count on every rank, where hetero's counts differ
+            raise ValueError("hetero: accumulate_grad_batches is one count on every rank: set Balance(micro_batch=m) "
+                             "and accumulate per rank in manual optimisation (docs/lightning.md#accumulation)")
+        if self.balance.settings.micro_batch and (getattr(pl_module, "automatic_optimization", True) or not
+                                                  is_param_in_hook_signature(pl_module.training_step,
+                                                                             "dataloader_iter", explicit=True)):
+            raise ValueError("hetero: micro_batch is not supported with Lightning's automatic optimisation: set "
+                             "self.automatic_optimization = False and take this rank's micro-batches in "
+                             "training_step(self, dataloader_iter) (docs/lightning.md#accumulation)")
+        self.balance.attach(_model(trainer, pl_module))
+        self._ddp = isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.balance.set_epoch(trainer.current_epoch)  # also done by Lightning through the sampler's set_epoch
+        if self.balance.settings.micro_batch:
+            # one Lightning batch (one training_step on the dataloader_iter) is one step; len(loader) counts this
+            # rank's micro-batches. Every rank must run as many batches: Lightning broadcasts at each one
+            # (training_epoch_loop.py, _broadcast_sigterm_tensor). So the epoch is the steps, with Lightning's own
+            # val_check_batch rule (fit_loop.py, setup_data) applied to them.
+            steps = trainer.fit_loop.max_batches = self.balance.engine.plan.steps_per_epoch
+            if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None:
+                trainer.val_check_batch = max(1, int(steps * trainer.val_check_interval))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
-        self.balance.engine.begin(batch_idx, from_loader=True)  # the batch is the sampler's: checked
+        if not self.balance.settings.micro_batch:  # with micro_batch, `with bal.step()` begins the step
+            self.balance.engine.begin(batch_idx, from_loader=True)  # the batch is the sampler's: checked
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss) -> None:
+        if self.balance.settings.micro_batch and self._ddp:
+            # Lightning runs training_step inside one DDP forward, which began before the step: each of the step's
+            # micro-batches is counted at its backward instead (a rank running one too many stops here)
+            self.balance.engine.count_forward(trainer.strategy.model, ())
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        decided, every = self.balance.end_step(), trainer.log_every_n_steps
-        if trainer.loggers and (decided is not None or (every and trainer.global_step % every == 0)):
+        if self.balance.settings.micro_batch:
+            if (s := self.balance.engine.running(required=False)) is not None:
+                raise HeteroError(f"hetero: training_step returned after {s.expected - s.left} of this rank's "
+                                  f"{s.expected} micro-batches: run them all, each in `with bal.step():`, and step "
+                                  f"the optimizer where bal.sync_now (docs/lightning.md#accumulation)")
+            decided = len(self.balance.decisions) != self._decided
+        else:
+            decided = self.balance.end_step() is not None
+        self._decided, every = len(self.balance.decisions), trainer.log_every_n_steps
+        if trainer.loggers and (decided or (every and trainer.global_step % every == 0)):
             read = metrics(self.balance)  # the hetero/ read-out, through the trainer's loggers (rank 0 writes)
             for logger in trainer.loggers:
                 logger.log_metrics(read, step=trainer.global_step)
@@ -63,3 +107,26 @@ class BalanceCallback(Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.balance.load_state_dict(state_dict)
+
+
+def _model(trainer: Trainer, pl_module: LightningModule) -> torch.nn.Module:
+    """What the Balance attaches to: the strategy's DDP wrapper, or under ModelParallelStrategy the one FSDP2 root
+    that configure_model made (Lightning wraps nothing there); one line for what hetero cannot weight."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(trainer.strategy, ModelParallelStrategy):
+        return trainer.strategy.model  # DDP (else the core refuses it in one line)
+    if trainer.strategy.device_mesh["tensor_parallel"].size() > 1:
+        raise ValueError("hetero: ModelParallelStrategy with tensor_parallel_size > 1: hetero weights data-parallel "
+                         "ranks only; set data_parallel_size to the world size and tensor_parallel_size=1")
+    sharded = fsdp_modules(pl_module)
+    nested = {id(m) for o in sharded for m in o.modules() if m is not o}
+    roots = [m for m in sharded if id(m) not in nested]
+    if len(roots) != 1:
+        raise ValueError(f"hetero: ModelParallelStrategy needs one fully_shard root in configure_model; found "
+                         f"{len(roots)}: fully_shard the module that holds the model's blocks too")
+    inside = {id(p) for p in roots[0].parameters()}
+    if outside := [n for n, p in pl_module.named_parameters() if p.requires_grad and id(p) not in inside]:
+        raise ValueError(f"hetero: {outside[0]} is outside the fully_shard root, and ModelParallelStrategy syncs no "
+                         f"gradient there: fully_shard a module that holds every trainable parameter")
+    return roots[0]

@@ -3,21 +3,27 @@ when the callback is built, WORLD_SIZE: the Balance must learn its rank and worl
 duplicated data, and move the shares as under torchrun. A tiny model on 8-vectors, 2 CPU processes."""
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
+import torch.nn.functional as F
 
+from hetero.core.sampler import EpochPlan
 from hetero.lab.launch import clean_env
 
-from helpers import ROOT
+from helpers import ROOT, max_diff, sgd_step
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
-pytestmark = pytest.mark.slow  # three Lightning launches, about 15 s each on 2 quiet cores
 SCRIPT = ROOT / "tests" / "scripts" / "lightning_inside.py"
+EXACT = ROOT / "tests" / "scripts" / "lightning_exact.py"
 
 
+@pytest.mark.slow  # three Lightning launches, about 15 s each on 2 quiet cores
 @pytest.mark.parametrize("how", [[], ["--inside"], ["--spawn"]], ids=["ddp", "built-in-the-processes", "ddp_spawn"])
 def test_lightnings_own_launcher_covers_every_sample_and_moves_shares(tmp_path, how):
     out = tmp_path / "rec"
@@ -33,6 +39,7 @@ def test_lightnings_own_launcher_covers_every_sample_and_moves_shares(tmp_path, 
     assert d[-1]["sizes"][0] > d[-1]["sizes"][1]                # the 3x slower rank 1 gives work away
 
 
+@pytest.mark.slow
 def test_a_fit_resumed_from_a_mid_epoch_checkpoint_keeps_the_slow_ranks_share_and_its_coverage(tmp_path):
     """BalanceCallback's state_dict is the Balance's: stopped at step 11 (3 steps into epoch 1) and resumed with
     trainer.fit(ckpt_path=...), the resumed run's first step already gives the 3x slower rank 1 less than half
@@ -50,3 +57,119 @@ def test_a_fit_resumed_from_a_mid_epoch_checkpoint_keeps_the_slow_ranks_share_an
     assert again[0]["first"]["epoch"] == 1 and again[0]["first"]["batch_idx"] == 3     # goes on at its step
     sizes = again[0]["first"]["sizes"]
     assert sizes == again[1]["first"]["sizes"] and sizes[1] < sizes[0]               # the estimate came back
+
+
+# -- per-rank accumulation and FSDP2: one optimizer step against one process on the union ----------------------
+def _exact_run(tmp_path, strategy: str, mode: str, broken: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXACT), str(tmp_path / "rec"), strategy, mode, broken], cwd=tmp_path,
+                          env=clean_env(threads="1"), capture_output=True, text=True, timeout=600)
+
+
+def _exact(tmp_path, strategy: str, mode: str, broken: str = "") -> list[dict]:
+    p = _exact_run(tmp_path, strategy, mode, broken)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return [json.loads((tmp_path / f"rec.rank{r}.json").read_text()) for r in range(2)]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("lightning_exact", EXACT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _reference(mod, parts: list[list[int]]) -> list[torch.Tensor]:
+    """One process, one SGD step on the mean over ranks of each part's mean loss (one part: the union's mean)."""
+    model = mod.net()
+    sum(F.cross_entropy(model(mod.X[p]), mod.Y[p]) / len(parts) for p in parts).backward()
+    return sgd_step(model, lr=mod.LR)
+
+
+def _check(ranks: list[dict], lens: list[list[int]]) -> float:
+    """The step trained on the sampler's first window, each sample once, as batches of `lens` per rank, and every
+    rank's parameters are one single-process SGD step on that union; returns the largest difference."""
+    mod = _script()
+    per_rank = [[i for b in r["batches"] for i in b] for r in ranks]
+    window = EpochPlan(mod.N, mod.B, 0, 0).perm[:mod.B].tolist()
+    assert sorted(sum(per_rank, [])) == sorted(window), "not the step's global batch, each sample once"
+    exact, means = _reference(mod, [window]), _reference(mod, per_rank)
+    assert max_diff([p.tolist() for p in exact], means) > 1e-3, "cannot tell b_i/B from the mean of rank means"
+    assert [[len(b) for b in r["batches"]] for r in ranks] == lens
+    worst = max(max_diff(r["params"], exact) for r in ranks)
+    assert worst < 1e-5, f"not the single-process step ({worst:.2e} away)"
+    return worst
+
+
+MICRO = [[4], [4, 4, 4]]  # micro_batch 4, counts k = [1, 3]
+
+
+@pytest.mark.slow  # one Lightning launch each, 15 to 20 s on 2 quiet cores
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_per_rank_accumulation_is_one_single_process_step_on_the_union(tmp_path, strategy):
+    """Manual optimisation on Lightning's dataloader_iter, micro-batches of 4, k = [1, 3] (DDPStrategy, and
+    ModelParallelStrategy with fully_shard in configure_model): the same parameters as one process's SGD step."""
+    _check(_exact(tmp_path, strategy, "micro"), MICRO)
+
+
+@pytest.mark.slow
+def test_model_parallel_strategy_with_per_rank_batch_sizes_is_exact(tmp_path):
+    """Automatic optimisation, FSDP2 through ModelParallelStrategy, sizes [3, 13]: b_i/B in the reduce-scatter."""
+    _check(_exact(tmp_path, "fsdp", "batch"), [[3], [13]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("broken", "fails"), [("double", "not the single-process step"),
+                                               ("remove", "not the single-process step"),
+                                               ("equal", "cannot tell")])
+def test_the_exactness_check_fails_when_the_weighting_is_doubled_or_removed_or_the_counts_equal(tmp_path, broken,
+                                                                                                 fails):
+    """Negative controls of the check above (DDP): this rank's weight doubled (engine.set_weight), no b_i/B
+    weighting (scheme "sync": the mean of rank means), and counts [2, 2], where the two cannot be told apart."""
+    ranks = _exact(tmp_path, "ddp", "micro", broken)
+    with pytest.raises(AssertionError, match=fails):
+        _check(ranks, MICRO)
+
+
+def test_accumulate_grad_batches_with_hetero_is_refused_in_one_line_pointing_to_the_recipe(tmp_path):
+    """In one process (the refusal reads the Trainer's setting at fit start, before any collective: the same line on
+    every rank), a real Trainer(accumulate_grad_batches=2) fit."""
+    import lightning as L
+
+    import hetero
+
+    mod = _script()
+    bal = hetero.Balance(global_batch=mod.B)
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=1, accumulate_grad_batches=2, logger=False,
+                        callbacks=[hetero.BalanceCallback(bal)], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    loader = torch.utils.data.DataLoader(mod.Indexed(), batch_sampler=bal.batch_sampler(mod.N))
+    with pytest.raises(ValueError, match=r"^hetero: accumulate_grad_batches is one count on every rank: set "
+                                         r"Balance\(micro_batch=m\) .*docs/lightning.md#accumulation\)$"):
+        trainer.fit(mod.Module(bal, str(tmp_path / "rec"), "ddp", "batch", ""), loader)
+
+
+@pytest.mark.slow
+def test_model_parallel_strategy_with_tensor_parallelism_is_refused_in_one_line(tmp_path):
+    p = _exact_run(tmp_path, "fsdp", "micro", "tp")
+    assert p.returncode == 2 and "hetero: ModelParallelStrategy with tensor_parallel_size > 1" in p.stderr, \
+        p.stderr[-4000:]
+
+
+@pytest.mark.slow  # one Lightning launch, about 20 s on 2 quiet cores
+def test_the_accumulation_example_on_fsdp2_covers_every_sample_and_moves_micro_batches_off_the_slow_rank(tmp_path):
+    """examples/lightning_lm.py --fsdp (ModelParallelStrategy) with rank 1 3x slower: every sample of each epoch once,
+    the slow rank's count of micro-batches falls below the fast rank's, the loss falls."""
+    out = tmp_path / "rec"
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_lm.py"), "--devices", "2", "--fsdp",
+                        "--hetero", "1:slowdown=3", "--subset", "512", "--record", str(out)], cwd=tmp_path,
+                       env=clean_env(threads="1"), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
+    for epoch in ("0", "1"):
+        assert sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]) == list(range(512))
+    counts = [r["counts"] for r in ranks]
+    assert len(counts[0]) == len(counts[1]) == 2 * 512 // 32                  # one training_step per step
+    assert all(a + b == 8 for a, b in zip(*counts))                           # 8 micro-batches of 4 per step
+    assert counts[1][-1] < counts[0][-1]                                      # direction only: no timing asserted
+    losses = [float(x) for x in re.findall(r"train loss ([\d.]+)", p.stdout)]
+    assert len(losses) == 2 and losses[1] < losses[0]

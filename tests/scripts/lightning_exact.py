@@ -1,0 +1,127 @@
+"""One optimizer step of a Lightning fit with unequal per-rank work, against one process on the union of its
+samples. `python lightning_exact.py OUT STRATEGY MODE [BREAK]`: Lightning's own launcher, 2 CPU processes (gloo).
+
+STRATEGY: ddp (DDPStrategy) or fsdp (ModelParallelStrategy, fully_shard in configure_model).
+MODE: micro (micro_batch 4, replayed counts k = [1, 3], manual optimisation: each batch in `with bal.step():`),
+      or batch (no micro_batch, replayed sizes [3, 13], automatic optimisation).
+BREAK (negative controls): double (this rank's weight doubled), remove (scheme "sync": the mean of the ranks'
+      means, no b_i/B weighting), equal (counts [2, 2] instead of [1, 3]), tp (ModelParallelStrategy with
+      tensor_parallel_size 2: refused in one line).
+Each rank writes the indices of every batch it trained on and the parameters after the step to OUT.rankR.json; a
+refusal is one line on stderr and exit status 2.
+"""
+import json
+import sys
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+
+import hetero
+
+N, B, M, LR = 32, 16, 4, 0.5  # 2 steps per epoch of the global batch 16; one is trained
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+X = torch.randn(N, 8, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(2))
+
+
+class Indexed(Dataset):
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return X[i], Y[i], i
+
+
+class Module(L.LightningModule):
+    def __init__(self, bal: hetero.Balance, out: str, strategy: str, mode: str, broken: str):
+        super().__init__()
+        self.net, self.bal, self.out, self.strategy, self.mode, self.broken = net(), bal, out, strategy, mode, broken
+        self.batches: list[list[int]] = []
+
+    def configure_model(self):  # ModelParallelStrategy: shard over the data-parallel mesh (the whole world)
+        if self.strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.net[0], mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):  # automatic optimisation: this rank's b_i samples
+        x, y, idx = batch
+        self._double()
+        self.batches.append(idx.tolist())
+        return F.cross_entropy(self.net(x), y)
+
+    def _double(self):
+        step = self.bal.engine.running()
+        if self.broken == "double" and step.left == step.expected:  # once per step, before its backward
+            self.bal.engine.set_weight(2 * step.weight)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+    def on_train_end(self):
+        params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
+                  for p in self.net.parameters()]
+        with open(f"{self.out}.rank{self.global_rank}.json", "w") as f:
+            json.dump({"batches": self.batches, "params": params}, f)
+
+
+class Micro(Module):
+    """Per-rank accumulation: manual optimisation, Lightning's dataloader_iter, each micro-batch in bal.step()."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.automatic_optimization = False
+
+    def training_step(self, dataloader_iter):
+        opt = self.optimizers()
+        for (x, y, idx), _, _ in dataloader_iter:  # this rank's micro-batches, up to the step's last
+            self.batches.append(idx.tolist())
+            with self.bal.step():  # all but the step's last stay local (no_sync)
+                self._double()
+                self.manual_backward(F.cross_entropy(self.net(x), y))
+                if self.bal.sync_now:
+                    opt.step()
+                    opt.zero_grad()
+                    break
+
+
+def main(out: str, strategy: str, mode: str, broken: str) -> int:
+    torch.set_num_threads(1)
+    micro = mode == "micro"
+    sizes = [8, 8] if broken == "equal" else [M, B - M] if micro else [3, B - 3]
+    bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0)
+    bal.replay({0: np.array([sizes] * (N // B))})
+    if strategy == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strat = ModelParallelStrategy(data_parallel_size=1 if broken == "tp" else 2,
+                                      tensor_parallel_size=2 if broken == "tp" else 1)
+    else:
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strat = DDPStrategy(start_method="popen")
+    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strat, use_distributed_sampler=False,
+                        callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
+    try:
+        trainer.fit((Micro if mode == "micro" else Module)(bal, out, strategy, mode, broken), loader)
+    except (ValueError, hetero.HeteroError) as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:4], sys.argv[4] if len(sys.argv) > 4 else ""))

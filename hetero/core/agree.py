@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .settle import settle
 
 _KEY = "hetero/error/"
+_POSTED = _KEY + "posted"  # how many ranks posted a line (post): a waiting rank reads this one key per poll
 
 
 class HeteroError(RuntimeError):
@@ -96,7 +97,7 @@ def _store() -> dist.Store | None:
 
 def post(message: str, grace_s: float = 3.0, linger_s: float = 0.5) -> None:
     """This rank's last words: put them on the store, destroy the process group, and give the peers `grace_s` to
-    read them (a peer waiting in a collective reads within 2 x POLL_S), then `linger_s` to raise them, before this
+    read them (a peer waiting in a collective reads within POLL_S), then `linger_s` to raise them, before this
     rank raises: its exit ends the store if it hosts it, and under torchrun makes the agent stop every worker."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
@@ -105,6 +106,7 @@ def post(message: str, grace_s: float = 3.0, linger_s: float = 0.5) -> None:
         return
     try:
         store.set(_KEY + str(rank), message)
+        store.add(_POSTED, 1)
         dist.destroy_process_group()  # the store object stays alive with this reference (rank 0 may host it)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not all(store.check([f"{_KEY}read/{r}"]) for r in range(world)
@@ -165,25 +167,15 @@ def _polled() -> bool:
         dist.get_world_size() > 1
 
 
-class _Posted:
-    """A peer's posted line, taken only when seen on two polls in a row: same_steps posts a line it deletes once
-    every rank has answered, which a peer could otherwise catch in between."""
-
-    def __init__(self):
-        self.last: str | None = None
-
-    def __call__(self) -> str | None:
-        why = _peek()
-        seen, self.last = why is not None and why == self.last, why
-        return why if seen else None
-
-
-def _peek() -> str | None:
-    """A peer's posted line, without marking it read (peer_error marks it)."""
+def _posted() -> str | None:
+    """A line a peer posted (post), without marking it read: one store round trip (the count of posted lines)
+    while there is none."""
     store = _store()
     if store is None:
         return None
     try:
+        if not store.add(_POSTED, 0):
+            return None
         rank = dist.get_rank()
         for r in range(dist.get_world_size()):
             if r != rank and store.check([_KEY + str(r)]):
@@ -199,7 +191,6 @@ def finish(work) -> None:
     if not _polled():
         work.wait()
         return
-    posted = _Posted()
     while True:
         try:
             work.wait(timeout=timedelta(seconds=POLL_S))
@@ -207,7 +198,7 @@ def finish(work) -> None:
         except RuntimeError as e:
             if "timed out" not in str(e).lower():
                 raise
-        if posted() is not None and (why := peer_error()) is not None:
+        if _posted() is not None and (why := peer_error()) is not None:
             raise HeteroError(why)
 
 
@@ -242,15 +233,13 @@ class _Watcher:
         return out
 
     def _run(self) -> None:
-        posted = _Posted()
         while True:
             with self._cond:
                 while not self._pending:
-                    posted.last = None
                     self._cond.wait()
                 self._cond.wait(POLL_S)
                 waiting = any(time.monotonic() - e["since"] >= POLL_S for e in self._pending)
-            if not waiting or posted() is None or (why := peer_error()) is None:
+            if not waiting or _posted() is None or (why := peer_error()) is None:
                 continue
             with self._cond:
                 stopped, self._pending = [e for e in self._pending if not e["done"]], []

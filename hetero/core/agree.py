@@ -159,6 +159,7 @@ def peer_error() -> str | None:
 
 # -- waits that a peer's refusal ends ---------------------------------------------------------------------------
 POLL_S = 0.5  # a gloo collective waiting this long looks for a posted line, every POLL_S after that
+DRAIN_S = 3.0  # once the line is read, how long the collective may take to fail by itself (the peer's exit)
 
 
 def _polled() -> bool:
@@ -199,12 +200,17 @@ def finish(work) -> None:
             if "timed out" not in str(e).lower():
                 raise
         if _posted() is not None and (why := peer_error()) is not None:
+            try:  # as the watcher does: the peer's exit may end this collective now
+                work.wait(timeout=timedelta(seconds=DRAIN_S))
+            except Exception:  # noqa: BLE001 - failed or still waiting: the line is what this rank raises
+                pass
             raise HeteroError(why)
 
 
 class _Watcher:
     """One daemon thread per process: it completes the watched futures of collectives that wait more than POLL_S
-    once a peer has posted its line (DDP's reducer waits on a comm hook's future, a wait hetero cannot bound)."""
+    once a peer has posted its line (DDP's reducer waits on a comm hook's future, a wait hetero cannot bound),
+    within DRAIN_S of reading it."""
 
     def __init__(self):
         self._cond, self._pending, self._thread = threading.Condition(), [], None
@@ -242,11 +248,20 @@ class _Watcher:
             if not waiting or _posted() is None or (why := peer_error()) is None:
                 continue
             with self._cond:
-                stopped, self._pending = [e for e in self._pending if not e["done"]], []
-                for e in stopped:
-                    e["done"] = True
+                stopped = [e for e in self._pending if not e["done"]]
             for e in stopped:
                 e["on_peer"](why)
+            # the line is read, so the peer goes on to exit, which fails these collectives at once: let them end so
+            # (nothing is left in flight to fail later, in this process's teardown); if it stays, free them anyway
+            deadline = time.monotonic() + DRAIN_S
+            while time.monotonic() < deadline and not all(e["done"] for e in stopped):
+                time.sleep(0.05)
+            with self._cond:
+                stopped = [e for e in stopped if not e["done"]]
+                for e in stopped:
+                    e["done"] = True
+                    self._pending.remove(e)
+            for e in stopped:
                 e["out"].set_result(e["value"])
 
 

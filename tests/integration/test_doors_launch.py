@@ -13,8 +13,9 @@ the group). A framework's cells run the framework's own launch path (the trainer
 environment) in two processes of their own, each of which must exit non-zero with the line; a misuse the framework
 makes impossible is listed in IMPOSSIBLE with the reason.
 
-A rank that refuses alone while its peer waits in DDP's all-reduce (test_a_refusal_does_not_leave_the_peer_in_ddps_
-all_reduce): the peer must raise the same line within seconds, not at the group's timeout (300 s there)."""
+A rank that refuses alone while its peer waits in DDP's all-reduce (the held cells, HELD): the peer must raise the
+same line within seconds, not at the group's timeout (300 s there), and both processes exit non-zero. (The loop
+doors' cases above keep a 15 s group timeout: FSDP2's own collectives still wait it out where one rank stops.)"""
 from __future__ import annotations
 
 import datetime

@@ -52,10 +52,14 @@ def _net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
+BUILT: list[torch.nn.Module] = []  # every model built, kept alive as a script's global model is
+
+
 def _model(kind: str) -> torch.nn.Module:
     net = _net()
     if kind == "ddp":
-        return DDP(net)
+        BUILT.append(DDP(net))
+        return BUILT[-1]
     for layer in (net[0], net[2]):
         fully_shard(layer)
     return fully_shard(net)
@@ -339,10 +343,11 @@ HELD = [("step", "fewer"), ("begin_end", "fewer")]
 @pytest.mark.parametrize("door, misuse", HELD, ids=[f"{d}-{m}" for d, m in HELD])
 def test_a_refusal_does_not_leave_the_peer_in_ddps_all_reduce(tmp_path, door, misuse):
     """Rank 0 refuses (its optimizer step, or its early sync in the hook) while rank 1 is inside DDP's all-reduce,
-    which destroying the group does not end (DDP keeps it alive). Rank 0's process (which hosts the store) stays
-    until rank 1 has exited, as a script that catches the error or a notebook would: rank 1 must raise rank
-    0's line without rank 0's exit closing the sockets, long before the group's 300 s timeout (the launch's own
-    limit is 150 s; on the main branch before #36 this waited for the timeout), and both exit non-zero."""
+    which destroying the group does not end while the DDP model lives (here in BUILT, as a script's global model).
+    Rank 0's process (which hosts the store) stays until rank 1 has exited, as a script that catches the error or
+    a notebook would: rank 1 must raise rank 0's line without rank 0's exit closing the sockets, long before the
+    group's 300 s timeout (the launch's own limit is 150 s; before #36 it waited for the timeout), and both ranks
+    exit non-zero."""
     r = _launch(tmp_path, door, misuse)
     assert all(x["returncode"] == 1 for x in r), r
     assert r[0]["error"].startswith("hetero: rank 0 ") and r[0]["error"] == r[1]["error"], r

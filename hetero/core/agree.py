@@ -8,9 +8,9 @@
   leaves the others blocked in a collective with it. That rank posts its line on the process group's store and
   waits for the others to read it; the others raise it instead of gloo's "Connection closed by peer" or its
   timeout. Closing the group does not free them: a DDP model keeps the group, and its gloo sockets, alive after
-  destroy_process_group (the group's sockets close only when the process exits). So a rank that waits in a gloo
-  collective looks for a posted line every POLL_S (finish, watched): the DDP hook's all-reduce and hetero's own
-  gathers end within a second of a peer's refusal, not at the group's timeout.
+  destroy_process_group for as long as the model lives (a script's global: until the process exits). So a rank
+  that waits in a gloo collective looks for a posted line every POLL_S (finish, watched): the DDP hook's all-reduce
+  and hetero's own gathers end within seconds of a peer's refusal, not at the group's timeout.
 - worker identities (default_identity, remap_identities): which worker a rank is, so that a balancer's state
   saved by one world is carried to another worker by worker.
 """

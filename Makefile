@@ -46,8 +46,8 @@ ifeq ($(NNODES),1)
 TORCHRUN_ARGS := --standalone --nproc-per-node=$(NPROC) --log-dir=/dev/null
 else
 # The rendezvous settings that make a lost node's world re-form in seconds (hetero.lab.recovery.AGENT, which
-# make bench measures; docs/elastic.md says why each): a dead node is dropped after 3 missed 1-s heartbeats.
-RDZV_CONF := join_timeout=600,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3
+# make bench measures; docs/elastic.md says why each): a dead node is dropped after 2 missed 1-s heartbeats.
+RDZV_CONF := join_timeout=600,last_call_timeout=2,close_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2
 TORCHRUN_ARGS := --nnodes=$(NNODES) --node-rank=$(NODE_RANK) --nproc-per-node=$(NPROC) \
 	--rdzv-backend=c10d --rdzv-endpoint="$$RDZV_ENDPOINT" --rdzv-id="$$RDZV_ID" --log-dir=/dev/null \
 	--rdzv-conf=$(RDZV_CONF) --monitor-interval=0.1

@@ -6,8 +6,11 @@
   HeteroError on every rank, naming the field and each rank's value.
 - post / peer_error: a mistake only one rank can see (its optimizer stepped on gradients that were not all-reduced)
   leaves the others blocked in a collective with it. That rank posts its line on the process group's store and
-  closes its connections; the others' collectives then fail, and they raise the posted line instead of gloo's
-  "Connection closed by peer".
+  waits for the others to read it; the others raise it instead of gloo's "Connection closed by peer" or its
+  timeout. Closing the group does not free them: a DDP model keeps the group, and its gloo sockets, alive after
+  destroy_process_group for as long as the model lives (a script's global: until the process exits). So a rank
+  that waits in a gloo collective looks for a posted line every POLL_S (finish, watched): the DDP hook's all-reduce
+  and hetero's own gathers end within seconds of a peer's refusal, not at the group's timeout.
 - worker identities (default_identity, remap_identities): which worker a rank is, so that a balancer's state
   saved by one world is carried to another worker by worker.
 """
@@ -16,7 +19,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from .settle import settle
 
 _KEY = "hetero/error/"
+_POSTED = _KEY + "posted"  # how many ranks posted a line (post): a waiting rank reads this one key per poll
 
 
 class HeteroError(RuntimeError):
@@ -56,13 +62,13 @@ def gather_json(obj, device: torch.device) -> list:
     world = dist.get_world_size()
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(n) for _ in range(world)]
-    dist.all_gather(lengths, n)
+    finish(dist.all_gather(lengths, n, async_op=True))
     size = max(int(k.item()) for k in lengths)
     buf = torch.zeros(size, dtype=torch.uint8)
     buf[:len(data)] = data
     buf = buf.to(device)
     out = [torch.empty_like(buf) for _ in range(world)]
-    dist.all_gather(out, buf)
+    finish(dist.all_gather(out, buf, async_op=True))
     return [json.loads(bytes(o[:int(k.item())].cpu().tolist()).decode()) for o, k in zip(out, lengths)]
 
 
@@ -98,9 +104,10 @@ def _store() -> dist.Store | None:
         return None
 
 
-def post(message: str, grace_s: float = 3.0) -> None:
-    """This rank's last words: put them on the store, close this rank's connections (so peers blocked in a
-    collective with it fail now instead of at the timeout) and give them `grace_s` to read before it raises."""
+def post(message: str, grace_s: float = 3.0, linger_s: float = 0.5) -> None:
+    """This rank's last words: put them on the store, destroy the process group, and give the peers `grace_s` to
+    read them (a peer waiting in a collective reads within POLL_S), then `linger_s` to raise them, before this
+    rank raises: its exit ends the store if it hosts it, and under torchrun makes the agent stop every worker."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     store, rank, world = _store(), dist.get_rank(), dist.get_world_size()
@@ -108,11 +115,13 @@ def post(message: str, grace_s: float = 3.0) -> None:
         return
     try:
         store.set(_KEY + str(rank), message)
+        store.add(_POSTED, 1)
         dist.destroy_process_group()  # the store object stays alive with this reference (rank 0 may host it)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not all(store.check([f"{_KEY}read/{r}"]) for r in range(world)
                                                       if r != rank):
             time.sleep(0.05)
+        time.sleep(linger_s)
     except Exception:  # noqa: BLE001 - the line is raised here whatever the store does
         pass
 
@@ -157,12 +166,129 @@ def peer_error() -> str | None:
     return None
 
 
+# -- waits that a peer's refusal ends ---------------------------------------------------------------------------
+POLL_S = 0.5  # a gloo collective waiting this long looks for a posted line, every POLL_S after that
+DRAIN_S = 3.0  # once the line is read, how long the collective may take to fail by itself (the peer's exit)
+
+
+def _polled() -> bool:
+    """Collectives here block the host (gloo); NCCL's are queued on a stream, and its own watchdog ends them."""
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo" and \
+        dist.get_world_size() > 1
+
+
+def _posted() -> str | None:
+    """A line a peer posted (post), without marking it read: one store round trip (the count of posted lines)
+    while there is none."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if not store.add(_POSTED, 0):
+            return None
+        rank = dist.get_rank()
+        for r in range(dist.get_world_size()):
+            if r != rank and store.check([_KEY + str(r)]):
+                return store.get(_KEY + str(r)).decode()
+    except Exception:  # noqa: BLE001 - no store to read
+        return None
+    return None
+
+
+def finish(work) -> None:
+    """Wait for a collective (its Work); when a peer posts its line meanwhile, raise that line within a second
+    instead of waiting out the group's timeout."""
+    if not _polled():
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(timeout=timedelta(seconds=POLL_S))
+            return
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+        if _posted() is not None and (why := peer_error()) is not None:
+            try:  # as the watcher does: the peer's exit may end this collective now
+                work.wait(timeout=timedelta(seconds=DRAIN_S))
+            except Exception:  # noqa: BLE001 - failed or still waiting: the line is what this rank raises
+                pass
+            raise HeteroError(why)
+
+
+class _Watcher:
+    """One daemon thread per process: it completes the watched futures of collectives that wait more than POLL_S
+    once a peer has posted its line (DDP's reducer waits on a comm hook's future, a wait hetero cannot bound),
+    within DRAIN_S of reading it."""
+
+    def __init__(self):
+        self._cond, self._pending, self._thread = threading.Condition(), [], None
+
+    def watch(self, fut: torch.futures.Future, value, on_peer) -> torch.futures.Future:
+        out = torch.futures.Future()
+        entry = {"out": out, "value": value, "on_peer": on_peer, "since": time.monotonic(), "done": False}
+
+        def settled(f):
+            with self._cond:
+                if entry["done"]:
+                    return
+                entry["done"] = True
+                self._pending.remove(entry)
+            try:
+                out.set_result(f.value())
+            except Exception as e:  # noqa: BLE001 - the collective's own error, passed on
+                out.set_exception(e)
+        with self._cond:
+            self._pending.append(entry)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hetero-peer-watch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        fut.add_done_callback(settled)
+        return out
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending:
+                    self._cond.wait()
+                self._cond.wait(POLL_S)
+                waiting = any(time.monotonic() - e["since"] >= POLL_S for e in self._pending)
+            if not waiting or _posted() is None or (why := peer_error()) is None:
+                continue
+            with self._cond:
+                stopped = [e for e in self._pending if not e["done"]]
+            for e in stopped:
+                e["on_peer"](why)
+            # the line is read, so the peer goes on to exit, which fails these collectives at once: let them end so
+            # (nothing is left in flight to fail later, in this process's teardown); if it stays, free them anyway
+            deadline = time.monotonic() + DRAIN_S
+            while time.monotonic() < deadline and not all(e["done"] for e in stopped):
+                time.sleep(0.05)
+            with self._cond:
+                stopped = [e for e in stopped if not e["done"]]
+                for e in stopped:
+                    e["done"] = True
+                    self._pending.remove(e)
+            for e in stopped:
+                e["out"].set_result(e["value"])
+
+
+_watcher = _Watcher()
+
+
+def watched(fut: torch.futures.Future, value, on_peer) -> torch.futures.Future:
+    """fut, or (gloo, several ranks) a future that also completes, with `value` and after on_peer(line), when a peer
+    posts its line while it waits: for a comm hook, whose future DDP's reducer waits on."""
+    return _watcher.watch(fut, value, on_peer) if _polled() else fut
+
+
 def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """All ranks' float64 rows, stacked in rank order: [world, *values.shape], on the CPU."""
     settle.collectives()
     t = values.to(device=device, dtype=torch.float64).contiguous()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
+    finish(dist.all_gather(out, t, async_op=True))
     return torch.stack(out).cpu()
 
 
@@ -170,7 +296,7 @@ def sum_all(values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Element-wise float64 sum over ranks (exact metric totals)."""
     settle.collectives()
     t = values.to(device=device, dtype=torch.float64, copy=True)
-    dist.all_reduce(t)
+    finish(dist.all_reduce(t, async_op=True))
     return t.cpu()
 
 

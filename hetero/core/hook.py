@@ -5,13 +5,16 @@ sets the weight per step: b_i/B, m/B with micro-batches, or 1/world); at the las
 gradients are complete, which is when the engine marks `ready` (and an emulated slow rank spends its delay). An
 all-reduce that fails because a peer stopped with a posted line is not raised from inside DDP's reducer (it would
 come out as "Got the following error when running the callback"): the engine keeps the line and raises it at this
-rank's optimizer step or end of step, so no rank steps on a wrong gradient.
+rank's optimizer step or end of step, so no rank steps on a wrong gradient. A peer that refuses without entering
+the all-reduce (its optimizer stepped early) leaves it waiting: the future DDP waits on is also completed once the
+peer's line is posted (agree.watched), within a second instead of at the group's timeout.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from .agree import watched
 from .engine import Engine
 from .settle import settle
 
@@ -33,8 +36,10 @@ def balance_hook(engine: Engine, bucket: dist.GradBucket) -> torch.futures.Futur
             if engine.collective_failed():  # a peer stopped and said why: raised at the optimizer step
                 return buf
             raise
+    def stopped(why: str) -> None:  # a peer refused while this rank waited: raised at the optimizer step or end
+        engine.peer_failed = engine.peer_failed or why
     settle.track(done)
-    return fut.then(done)
+    return watched(fut.then(done), buf, stopped)
 
 
 # DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings

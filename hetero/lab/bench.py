@@ -226,7 +226,7 @@ def recovery_section(rec: dict) -> list[str]:
             f"{fmt['notice']}, the rendezvous completed at {fmt['rendezvous']}, the restarted worker printed its start "
             f"at {fmt['start']} (a fresh `import torch, torch._dynamo` took {fmt['import_s']} here); each run: "
             + ", ".join(f"{r['first_step']:.1f} s" for r in rec["runs"]), "",
-            f"torchrun {' '.join(rec['torchrun_args'])}", ""]
+            f"torchrun {' '.join(rec['torchrun_args'])}", "", *recovery.phase_lines(rec)]
 
 
 def run(suite: Suite, out: Path, command: str) -> dict:

@@ -35,7 +35,7 @@ class AgentSettings:
     """torchrun's knobs that decide how fast a lost node's world re-forms (seconds; the rendezvous takes whole ones)."""
     monitor_interval: float = 0.1   # the agent polls its workers' exit this often (torchrun's default)
     keep_alive_interval: int = 1    # each agent's heartbeat to the rendezvous (torch's default 5)
-    keep_alive_max_attempt: int = 3  # heartbeats missed before a node counts as dead (default 3: 15 s)
+    keep_alive_max_attempt: int = 2  # heartbeats missed before a node counts as dead (default 3: 15 s)
     last_call_timeout: int = 2      # a round that has its minimum waits this long for more nodes (default 30)
     join_timeout: int = 600         # how long a round waits for its minimum (torch's default)
     close_timeout: int = 10         # how long a finished job waits for the rendezvous to close (default 30)
@@ -54,15 +54,62 @@ TORCH_DEFAULTS = AgentSettings(monitor_interval=0.1, keep_alive_interval=5, keep
                                last_call_timeout=30, join_timeout=600, close_timeout=30)
 
 
+# The worker's own start, in the order it happens (timed_worker): the interpreter is up; `import torch`; DDP's
+# constructor imports torch._dynamo (done first here, so that its seconds are its own); the trainer's modules; the
+# arguments, the run folder's files and rank 0's checkpoint read (its digest verified); the data; the rest of the
+# checks before the process group (the checkpoint tried against the config, the folder claimed); the process group;
+# the Trainer (model, Balance, DDP, attach); the checkpoint loaded into it; the start line.
+WORKER_PHASES = ("exec", "import_torch", "import_dynamo", "import_trainer", "read_checkpoint", "data", "prepare",
+                 "process_group", "build", "load_checkpoint", "start")
+PHASE = "hetero-phase"  # a timed worker's line: `hetero-phase NAME UNIX_TIME`
+
+
+def timed_worker(t_exec: float, argv: list[str]) -> None:
+    """`python -m hetero.trainer ARGV`, printing the wall time at each of WORKER_PHASES (for the recovery bench).
+    The trainer's own functions run unchanged; each is wrapped to print when it returns."""
+    def mark(name: str) -> None:
+        print(f"{PHASE} {name} {time.time():.3f}", flush=True)
+    print(f"{PHASE} exec {t_exec:.3f}", flush=True)
+    import torch
+    mark("import_torch")
+    import torch._dynamo  # noqa: F401 - DistributedDataParallel's constructor imports it
+    mark("import_dynamo")
+    from ..trainer import run
+    mark("import_trainer")
+
+    def timed(fn, name):
+        def call(*a, **k):
+            out = fn(*a, **k)
+            mark(name)
+            return out
+        return call
+    run.RunFolder.load_trainer_checkpoint = timed(run.RunFolder.load_trainer_checkpoint, "read_checkpoint")
+    run.load_data = timed(run.load_data, "data")
+    run.prepare = timed(run.prepare, "prepare")
+    run.setup = timed(run.setup, "process_group")
+    run.Trainer = timed(run.Trainer, "build")
+    from ..trainer.loop import Trainer
+    Trainer.load_state_dict = timed(Trainer.load_state_dict, "load_checkpoint")
+    run.start_folder = timed(run.start_folder, "start")
+    code = run.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # as hetero.trainer's __main__ does
+
+
 def agent_cmd(args: list[str], port: int, nnodes: str = "1:2", settings: AgentSettings = AGENT,
-              max_restarts: int = 3, rdzv_id: str = "hetero-elastic") -> list[str]:
+              max_restarts: int = 3, rdzv_id: str = "hetero-elastic", timed: bool = False) -> list[str]:
     """One node's torchrun agent of an elastic job on 127.0.0.1 (one worker), its rendezvous store at `port`
-    hosted by the caller (is_host=false)."""
+    hosted by the caller (is_host=false). timed: the worker is timed_worker (the trainer, printing its phases)."""
     flags = settings.torchrun_args()
     flags[0] += ",is_host=false"
+    worker = ["-m", "hetero.trainer", *args]
+    if timed:  # the clock read before any import: the interpreter's own start is the only thing before it
+        worker = ["--no-python", sys.executable, "-c", "import sys, time; t = time.time(); from hetero.lab.recovery "
+                  "import timed_worker; timed_worker(t, sys.argv[1:])", *args]
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-            f"--max-restarts={max_restarts}", *flags, f"--log-dir={os.devnull}", "-m", "hetero.trainer", *args]
+            f"--max-restarts={max_restarts}", *flags, f"--log-dir={os.devnull}", *worker]
 
 
 class Agent:
@@ -130,26 +177,37 @@ def rendezvous_store():
 
 
 def start_pair(args: list[str], port: int, settings: AgentSettings = AGENT,
-               names: tuple[str, str] = ("agent-a", "agent-b"), max_restarts: int = 3) -> tuple[Agent, Agent]:
+               names: tuple[str, str] = ("agent-a", "agent-b"), max_restarts: int = 3,
+               timed: bool = False) -> tuple[Agent, Agent]:
     """Agents a (--nnodes=1:2: it stays, and goes on alone) and b (--nnodes=2:2) of one job. b starts first and a
     once b is in the first round, which b cannot finish alone: so both are in it whatever the load. (Started alike,
     the first to join would finish the round alone after last_call_timeout if the other's start is slower, and take
     it in by a growth restart, which torch 2.14's agent does not finish on one machine: docs/elastic.md.)"""
-    b = Agent(agent_cmd(args, port, "2:2", settings, max_restarts), names[1])
+    b = Agent(agent_cmd(args, port, "2:2", settings, max_restarts, timed=timed), names[1])
     t0 = time.time()
     while b.first(r"Rendezvous'ing worker group", 0) is None and b.proc.poll() is None and time.time() - t0 < 300:
         time.sleep(0.05)
-    return Agent(agent_cmd(args, port, "1:2", settings, max_restarts), names[0]), b
+    return Agent(agent_cmd(args, port, "1:2", settings, max_restarts, timed=timed), names[0]), b
+
+
+# The recovery's phases, in order, as seconds after the SIGKILL: the survivor's worker fails (its error line), its
+# agent notices (`Worker group FAILED`), the new rendezvous round completes, the agent starts the new worker, the
+# worker's own WORKER_PHASES (timed_worker), and the new world's first step ends (summary.json's first_step_time).
+AGENT_MARKS = {"worker_fails": r"^hetero: rank \d+: error",
+               "notice": r"Worker group (FAILED|UNHEALTHY)|failed \(exitcode",
+               "rendezvous": r"Rendezvous complete for workers",
+               "agent_starts": r"\] \[default\] Starting worker group"}
+PHASES = (*AGENT_MARKS, *WORKER_PHASES, "first_step")
 
 
 def lose_a_node(run: Path, args: list[str], settings: AgentSettings = AGENT, epochs: int = 1, step: int = 4,
-                timeout: float = 400) -> dict:
+                timeout: float = 400, timed: bool = False) -> dict:
     """Two agents train `args` into `run`; agent b is SIGKILLed once a checkpoint at >= `step` after `epochs`
     epochs exists; agent a's worker goes on alone. Its exit status, output, and the recovery's times (s after the
-    kill): `notice` (a's agent sees its worker fail), `rendezvous` (the new round joined), `start` (the worker's
-    start line: imports, data, process group, checkpoint), `first_step` (the new world's first step ended)."""
+    kill) of each of PHASES seen (timed: the workers are timed_worker, which prints WORKER_PHASES); `start` is
+    the worker's start line (imports, data, process group, checkpoint), `first_step` the new world's first step."""
     with rendezvous_store() as port:
-        a, b = start_pair(args, port, settings)
+        a, b = start_pair(args, port, settings, timed=timed)
         try:
             wait_for_checkpoint(run, b.proc, epochs, step)
             t_kill = time.time()
@@ -159,13 +217,55 @@ def lose_a_node(run: Path, args: list[str], settings: AgentSettings = AGENT, epo
             for x in (a, b):
                 x.kill()
     summary = json.loads((run / "summary.json").read_text())
-    marks = {"notice": a.first(r"Worker group (FAILED|UNHEALTHY)|failed \(exitcode", t_kill),
-             "rendezvous": a.first(r"Rendezvous complete for workers", t_kill),
-             "start": a.first(r"^hetero: .* on 1 rank", t_kill)}
-    times = {k: None if v is None else v - t_kill for k, v in marks.items()}
+    marks = {k: a.first(pattern, t_kill) for k, pattern in AGENT_MARKS.items()}
+    for _, line in a.lines:  # the worker's own clock at each phase (the restarted worker's lines: after the kill)
+        if line.startswith(PHASE + " ") and (t := float(line.split()[2])) >= t_kill:
+            marks[line.split()[1]] = t  # the last: the checks before the process group also try the checkpoint
+    marks["start"] = marks.get("start") or a.first(r"^hetero: .* on 1 rank", t_kill)
     first = summary.get("first_step_time")
-    times["first_step"] = None if first is None else first - t_kill
+    marks["first_step"] = first if first is not None and first >= t_kill else None
+    times = {k: None if marks.get(k) is None else marks[k] - t_kill for k in PHASES}
     return {"returncode": rc, "output": a.output(), "times": times, "kill_time": t_kill}
+
+
+def phase_table(phases: dict) -> list[tuple[str, float, float]]:
+    """(phase, seconds after the kill, seconds since the phase before) for the phases seen, in order."""
+    rows, before = [], 0.0
+    for k in PHASES:
+        if phases.get(k) is not None:
+            rows.append((k, phases[k], phases[k] - before))
+            before = phases[k]
+    return rows
+
+
+PHASE_NAMES = {
+    "worker_fails": "the survivor's worker fails (its peer's socket reset)",
+    "notice": "its agent sees the worker fail (`--monitor-interval`)",
+    "rendezvous": "the new rendezvous round completes (dead node dropped, last call)",
+    "agent_starts": "the agent starts the new worker",
+    "exec": "the worker's interpreter is up",
+    "import_torch": "`import torch`",
+    "import_dynamo": "`import torch._dynamo` (DDP's constructor needs it)",
+    "import_trainer": "hetero's trainer modules",
+    "read_checkpoint": "arguments, run folder, checkpoint read and its digest checked (rank 0)",
+    "data": "the data set",
+    "prepare": "the rest of the checks before the process group",
+    "process_group": "the process group",
+    "build": "model, Balance, DDP, attach",
+    "load_checkpoint": "the checkpoint loaded into the Trainer",
+    "start": "the start line (metadata gathered, run folder written)",
+    "first_step": "the new world's first step ends",
+}
+
+
+def phase_lines(rec: dict) -> list[str]:
+    """The phase breakdown as a markdown table (medians over the runs; a phase's seconds are its end minus the end
+    of the phase before)."""
+    rows = phase_table(rec.get("phases_s", {}))
+    if not rows:
+        return []
+    return (["| phase | ends (s after the kill) | takes (s) |", "|---|---|---|"]
+            + [f"| {PHASE_NAMES.get(k, k)} | {at:.2f} | {took:.2f} |" for k, at, took in rows] + [""])
 
 
 def import_seconds() -> float:
@@ -187,7 +287,7 @@ def measure(out: Path, kills: int = 3, settings: AgentSettings = AGENT, notes: l
                 "--checkpoint-every", "4", "--timeout-s", "20", "--threads", "1", "--run-dir", str(run)]
         print(f"bench: recovery {i + 1}/{kills}", flush=True)
         try:
-            r = lose_a_node(run, args, settings)
+            r = lose_a_node(run, args, settings, timed=True)
         except (AssertionError, subprocess.TimeoutExpired) as e:  # the kill point missed, or a hang: noted
             (notes if notes is not None else []).append(f"recovery run {i}: {str(e).splitlines()[0][:200]}")
             continue
@@ -196,13 +296,13 @@ def measure(out: Path, kills: int = 3, settings: AgentSettings = AGENT, notes: l
             (notes if notes is not None else []).append(f"recovery run {i} failed (exit {r['returncode']}, log "
                                                          f"recovery-{i}.log)")
             continue
-        rows.append({**r["times"], "import_s": import_seconds()})
+        rows.append({**r["times"], "import_s": import_seconds(), "load_avg": os.getloadavg()[0]})
     firsts = [r["first_step"] for r in rows]
     return {"settings": asdict(settings), "torchrun_args": settings.torchrun_args(), "kills": kills, "runs": rows,
             "first_step_s": statistics.median(firsts) if firsts else None,
-            "phases_s": {k: statistics.median(r[k] for r in rows if r[k] is not None)
-                         for k in ("notice", "rendezvous", "start", "first_step", "import_s")
-                         if any(r[k] is not None for r in rows)}}
+            "phases_s": {k: statistics.median(r[k] for r in rows if r.get(k) is not None)
+                         for k in (*PHASES, "import_s") if any(r.get(k) is not None for r in rows)},
+            "load_avg": [r["load_avg"] for r in rows]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     res = measure(out, ns.kills, TORCH_DEFAULTS if ns.torch_defaults else AGENT)
     safeio.write_text(out / "recovery.json", json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("runs", "phases_s")}, indent=1))
+    print("phase (median of the runs)  s after the kill  s in the phase")
+    for k, at, took in phase_table(res["phases_s"]):
+        print(f"{k:27s} {at:16.2f} {took:15.2f}")
     return 0
 
 

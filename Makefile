@@ -183,7 +183,7 @@ OUT :=
 export OUT
 .PHONY: bench gpu-check
 
-bench: $(STAMP)  ## benchmarks on CPU ranks (about 9 min on 2 cores; QUICK=1 about 4 min): runs/bench/<time>/bench.json
+bench: $(STAMP)  ## benchmarks on CPU ranks (QUICK=1 about 7 min on 2 cores, outside part included): runs/bench/<time>/bench.json
 	$(BIN)/python -m hetero.lab.bench $(if $(QUICK),--quick) $${OUT:+--out "$$OUT"}
 
 gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): OUT=runs/gpu_check.json (and .md)

@@ -198,7 +198,8 @@ def figure(cg: list[dict], path: Path) -> Path | None:
     for x, text in ((r["on_step"], "on"), (r["off_step"], "off")):
         ax.axvline(x, color="k", lw=0.8, ls="--")
         ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12), textcoords="offset points")
-    ax.set(xlabel="global step", ylabel="rank 1's share of the batch", ylim=(0, 0.6),
+    top = max(0.6, max(max(r["share"]) for r in cg) + 0.05)
+    ax.set(xlabel="global step", ylabel="rank 1's share of the batch", ylim=(0, top),
            title=f"A neighbour that comes and goes (rebalancing every {r['every']} steps)")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()

@@ -49,6 +49,7 @@ class Suite:
     outside: tuple[str, ...] = ("quota", "neighbour")      # outside stragglers on the last of 2 ranks (--straggler)
     come_and_go: tuple[str, ...] = ("dp", "edp", "affine")  # schemes run with a neighbour that comes and goes
     come_epochs: tuple[int, int, int] = (3, 6, 9)  # its busy neighbour: on after epoch A, off after B, of C epochs
+    come_busy: int = 2                          # spinning processes the neighbour runs (1: rank 1 keeps 1/2 its core)
     parts: tuple[str, ...] = PARTS
 
     def global_batch(self, world: int) -> int:
@@ -78,6 +79,8 @@ class Suite:
             raise ValueError(f"unknown outside straggler {bad[0]!r}: choose from quota, neighbour")
         if bad := [s for s in self.come_and_go if s not in SCHEMES]:
             raise ValueError(f"unknown scheme {bad[0]!r} in come_and_go: choose from {', '.join(SCHEMES)}")
+        if self.come_busy < 1:
+            raise ValueError("need come_busy >= 1")
         if not 1 <= self.come_epochs[0] < self.come_epochs[1] < self.come_epochs[2]:
             raise ValueError("need come_epochs A, B, C with 1 <= A < B < C")
         if bad := [p for p in self.parts if p not in PARTS]:
@@ -349,9 +352,10 @@ def outside_section(res: dict) -> list[str]:
         lines += [f"## A neighbour that comes and goes (busy process on rank 1's core from step {cg[0]['on_step']} "
                   f"to step {cg[0]['off_step']}; decisions every {cg[0]['every']} steps)", ""]
         lines += markdown_table(
-            ["scheme", "share before", "share with neighbour", "share after", "decisions to fall",
-             "decisions to recover", "size changes after"],
-            [[r["scheme"], f"{r['share_before']:.3f}", f"{r['share_during']:.3f}", f"{r['share_after']:.3f}",
+            ["scheme", "neighbour's slowdown", "share before", "share with neighbour", "share after",
+             "decisions to fall", "decisions to recover", "size changes after"],
+            [[r["scheme"], f"{r['neighbour_slowdown']:.2f}x",
+              f"{r['share_before']:.3f}", f"{r['share_during']:.3f}", f"{r['share_after']:.3f}",
               r["fall_decisions"], r["recover_decisions"], r["changes_after"]] for r in cg])
         lines += ["", "![shares over steps](outside_come_and_go.png)", ""]
     if (td := res.get("outside_teardown")) is not None:

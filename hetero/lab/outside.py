@@ -119,9 +119,9 @@ def _epochs_done(run_dir: Path) -> int:
 
 
 def come_and_go(suite: Suite, out: Path, notes: list[str]) -> list[dict]:
-    """Per scheme in suite.come_and_go: a run whose last rank gets a busy neighbour on its core from the end of
-    epoch `on` to the end of epoch `off` (suite.come_epochs = (on, off, epochs)); the shares per step and the
-    decisions each way."""
+    """Per scheme in suite.come_and_go: a run whose last rank gets a busy neighbour (suite.come_busy spinning
+    processes) on its core from the end of epoch `on` to the end of epoch `off` (suite.come_epochs = (on, off,
+    epochs)); the shares per step and the decisions each way."""
     on_after, off_after, epochs = suite.come_epochs
     every = max(1, suite.steps // 4)
     found = []
@@ -131,18 +131,20 @@ def come_and_go(suite: Suite, out: Path, notes: list[str]) -> list[dict]:
         events: dict[str, float] = {}
 
         def watch(run_dir: Path, stop: threading.Event) -> None:
-            busy = None
+            busy: list = []
             try:
                 while not stop.wait(0.02):
                     done = _epochs_done(run_dir)
-                    if busy is None and "on" not in events and done >= on_after:
-                        busy, events["on"] = straggler.start_busy({cores(WORLD)[-1]}), done
-                    if busy is not None and done >= off_after:
-                        straggler.stop_busy(busy)
-                        busy, events["off"] = None, done
+                    if not busy and "on" not in events and done >= on_after:
+                        busy = [straggler.start_busy({cores(WORLD)[-1]}) for _ in range(suite.come_busy)]
+                        events["on"] = done
+                    if busy and done >= off_after:
+                        for b in busy:
+                            straggler.stop_busy(b)
+                        busy, events["off"] = [], done
             finally:
-                if busy is not None:
-                    straggler.stop_busy(busy)
+                for b in busy:
+                    straggler.stop_busy(b)
 
         d = train(suite, out, name, scheme, "", None, notes, epochs=epochs, rebalance_every=every, watch=watch)
         found.append({**read_come_and_go(d, scheme, suite.steps, every, on_after, off_after),
@@ -175,10 +177,14 @@ def read_come_and_go(d: Path, scheme: str, steps: int, every: int, on_after: int
                 return -(-k // every)  # whole decisions: steps over the decision interval, rounded up
         return None
 
+    per = st.pivot_table(index=["epoch", "step"], columns="rank", values="compute_s").to_numpy() / np.maximum(grid, 1)
+    rel = per[:, world - 1] / per[:, 0]  # rank 1's time per sample over rank 0's, per step
     tail = grid[off + 3 * every:]
     return {"scheme": scheme, "run_dir": str(d), "every": every, "on_step": on, "off_step": off,
             "share": share.round(4).tolist(), "share_before": before, "share_during": during, "share_after": after,
             "fall_decisions": decisions(on, True), "recover_decisions": decisions(off, False),
+            # how much slower the neighbour made rank 1, relative to rank 0 (its epochs against the epochs before)
+            "neighbour_slowdown": float(np.median(rel[on:off]) / np.median(rel[:on])),
             "changes_after": int((np.diff(tail, axis=0) != 0).any(1).sum()) if len(tail) > 1 else 0}
 
 

@@ -12,7 +12,7 @@ NODE_RANK ?= 0
 RDZV_ENDPOINT ?= 127.0.0.1:29500
 RDZV_ID ?= hetero
 
-FIELDS := MODEL SCHEME HETERO EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTUM WEIGHT_DECAY DATA DATA_DIR \
+FIELDS := MODEL SCHEME HETERO STRAGGLER EPOCHS GLOBAL_BATCH MIN_BATCH MAX_BATCH LR MOMENTUM WEIGHT_DECAY DATA DATA_DIR \
 	SUBSET TEST_SUBSET AUGMENT SEED DEVICE BACKEND THREADS REBALANCE_EVERY SMOOTHING DEADBAND SIGNIFICANCE TIMEOUT_S \
 	RUN_DIR OVERWRITE RESUME REPLAY EVAL_BATCH AFFINITY BF16 CHANNELS_LAST SIT_OUT MICRO_BATCH CHECKPOINT_EVERY \
 	TENSORBOARD
@@ -183,7 +183,7 @@ OUT :=
 export OUT
 .PHONY: bench gpu-check
 
-bench: $(STAMP)  ## benchmarks on CPU ranks (about 9 min on 2 cores; QUICK=1 about 4 min): runs/bench/<time>/bench.json
+bench: $(STAMP)  ## benchmarks on CPU ranks (QUICK=1 about 7 min on 2 cores, outside part included): runs/bench/<time>/bench.json
 	$(BIN)/python -m hetero.lab.bench $(if $(QUICK),--quick) $${OUT:+--out "$$OUT"}
 
 gpu-check:  ## the GPU check (one GPU, < 5 min; PYTHON needs torch): OUT=runs/gpu_check.json (and .md)

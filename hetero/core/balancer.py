@@ -21,6 +21,8 @@ from .partition import (
     window_stats,
 )
 
+MIN_GAIN = 0.125  # the smallest fraction of a decided change made after reversals
+
 
 @dataclass
 class Balancer:
@@ -37,7 +39,13 @@ class Balancer:
     granularity: the micro-batch mode's m: the maths decides whole micro-batches per rank (sizes are multiples
       of m); times are still fitted per sample, so a step is a fixed cost plus a cost per micro-batch.
     windows_kept: windows kept for the affine fit; a rank's older windows are dropped when its time jumps at an
-      unchanged batch size (its speed changed), so a change is followed at the next decision.
+      unchanged batch size (its speed changed), so a change is followed at the next decision. The proportional
+      rule's held windows (those since the sizes last changed) are dropped the same way.
+    A change that undoes more than half of the one made at the decision before (the sizes swing back) is damped: it
+    goes half as far, a quarter on a further reversal, down to MIN_GAIN; one in the same direction doubles the step
+    again, up to the full one. A rank whose speed depends on its own batch (a CFS quota: a short step fits in the
+    period's quota and looks fast, a long one is throttled and looks slow) would otherwise swing between two sizes
+    at every decision; a real change of speed, or its end some decisions later, is followed at the full step.
     """
     rule: str
     world: int
@@ -60,6 +68,9 @@ class Balancer:
     _windows: np.ndarray = field(default=None, repr=False)     # [k, N_STATS, world] the kept windows
     _probe_sizes: tuple = field(default=None, repr=False)
     _held: list = field(default_factory=list, repr=False)    # proportional: windows since the sizes last changed
+    _gain: float = field(default=1.0, repr=False)            # the fraction of a decided change that is made
+    _last_move: np.ndarray = field(default=None, repr=False)  # the sizes' last change (new - old), for reversals
+    _changed_at: int = field(default=-1, repr=False)         # the decision (its count) that made it
 
     def __post_init__(self):
         if self.rule not in ("static", "proportional", "affine"):
@@ -113,6 +124,8 @@ class Balancer:
         self._pending.clear()
         # the proportional rule decides from the windows since the sizes last changed (at most windows_kept), so a
         # difference held back as noise is measured again on more steps; affine's fit keeps windows of its own
+        if self.rule == "proportional" and self._held and _moved(window, np.sum(self._held, axis=0)).any():
+            self._held = []  # a rank's speed changed since the sizes last did: its earlier windows are stale
         new = np.sum([*self._held, window], axis=0) if self.rule == "proportional" else window
         if self.rule == "proportional":
             fixed, per = np.zeros(self.world), new[2] / np.maximum(new[1], 1)
@@ -127,6 +140,16 @@ class Balancer:
         self.fixed_s, self.per_sample_s = fixed, per
         self.decisions += 1
         self._probe_sizes = None
+        gain = self._gain
+        if self._last_move is None or self._changed_at != self.decisions - 1:
+            gain = 1.0  # no change at the decision before: nothing to swing back from
+        elif float(np.dot(new_sizes - self.sizes, self._last_move)) < -0.5 * float(np.dot(*[self._last_move] * 2)):
+            gain = max(gain / 2, MIN_GAIN)  # it would undo most of the last change: half as far as the last time
+        else:
+            gain = min(1.0, 2 * gain)  # the same way again: back towards the full step
+        if gain < 1:
+            new_shares = self.shares + gain * (np.asarray(new_shares, float) - self.shares)
+            new_sizes = batch_sizes(new_shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
         now, after = predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, new_sizes)
         if now - after <= max(self.deadband * now, self.significance * noise_s(new)):
             if self.rule == "proportional" and self.windows_kept > 1:
@@ -134,6 +157,9 @@ class Balancer:
             return False  # too small a gain to be worth a change, or one the noise alone could show
         self._held = []
         changed = not np.array_equal(new_sizes, self.sizes)
+        if changed:
+            self._last_move, self._gain = np.asarray(new_sizes - self.sizes, float), gain
+            self._changed_at = self.decisions
         self.shares, self.sizes = np.asarray(new_shares, float), np.asarray(new_sizes, np.int64)
         return changed
 
@@ -142,14 +168,7 @@ class Balancer:
         kept = self._windows
         if len(kept):
             # A rank whose mean time moved at an unchanged mean batch size changed speed: forget its past.
-            prev = kept[-1]
-            n_new, mb_new, mt_new, _, _, vtt_new = _moments(new)
-            n_old, mb_old, mt_old, _, _, vtt_old = _moments(prev)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                se = np.sqrt(vtt_new / n_new ** 2 + vtt_old / n_old ** 2)  # of the difference of the two means
-                same_size = np.abs(mb_new - mb_old) <= np.maximum(0.5, 0.01 * mb_old)
-                moved = np.abs(mt_new - mt_old) > 0.02 * mt_old + 4 * se
-            kept = np.where((same_size & moved & (new[0] > 0))[None, None, :], 0.0, kept)
+            kept = np.where(_moved(new, kept[-1])[None, None, :], 0.0, kept)
         pooled = kept.sum(0) + new
         prior = self.per_sample_s
         _, c = fit_stats(pooled, prior)
@@ -175,7 +194,8 @@ class Balancer:
         return {"shares": tolist(self.shares), "sizes": tolist(self.sizes), "fixed_s": tolist(self.fixed_s),
                 "per_sample_s": tolist(self.per_sample_s), "decisions": self.decisions,
                 "pending": [p.tolist() for p in self._pending], "windows": self._windows.tolist(),
-                "held": [h.tolist() for h in self._held]}
+                "held": [h.tolist() for h in self._held], "gain": self._gain,
+                "last_move": tolist(self._last_move), "changed_at": self._changed_at}
 
     def load_state_dict(self, d: dict) -> None:
         self.shares, self.sizes = np.asarray(d["shares"], float), np.asarray(d["sizes"], np.int64)
@@ -184,6 +204,9 @@ class Balancer:
         self.decisions = int(d["decisions"])
         self._pending = [np.asarray(p, float) for p in d.get("pending", [])]
         self._held = [np.asarray(h, float) for h in d.get("held", [])]
+        self._gain = float(d.get("gain", 1.0))
+        self._last_move = None if d.get("last_move") is None else np.asarray(d["last_move"], float)
+        self._changed_at = int(d.get("changed_at", -1))
         w = np.asarray(d.get("windows", []), float)
         self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
         self._probe_sizes = None
@@ -216,6 +239,7 @@ class Balancer:
         self.fixed_s, self.per_sample_s = carry(d["fixed_s"], False), carry(d["per_sample_s"], False)
         self.decisions = int(d["decisions"])
         self._pending, self._held, self._probe_sizes = [], [], None
+        self._gain, self._last_move, self._changed_at = 1.0, None, -1  # another world: no last move to reverse
         self._windows = np.zeros((0, N_STATS, self.world))
         if self.rule == "affine" and self.fixed_s is not None and np.all(np.isfinite(self.fixed_s)):
             self.sizes = affine_batch_sizes(self.fixed_s, self.per_sample_s, self.global_batch, self.min_batch,
@@ -223,6 +247,18 @@ class Balancer:
             self.shares = self.sizes / self.global_batch
         else:
             self.sizes = batch_sizes(self.shares, self.global_batch, self.min_batch, self.max_batch, self.granularity)
+
+
+def _moved(new: np.ndarray, prev: np.ndarray) -> np.ndarray:
+    """[world] bool: ranks whose mean step time moved between two windows [N_STATS, world] at an unchanged mean
+    batch size (by more than 2% and 4 standard errors of the difference): their speed changed."""
+    n_new, mb_new, mt_new, _, _, vtt_new = _moments(new)
+    n_old, mb_old, mt_old, _, _, vtt_old = _moments(prev)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        se = np.sqrt(vtt_new / n_new ** 2 + vtt_old / n_old ** 2)  # of the difference of the two means
+        same_size = np.abs(mb_new - mb_old) <= np.maximum(0.5, 0.01 * mb_old)
+        moved = np.abs(mt_new - mt_old) > 0.02 * mt_old + 4 * se
+    return same_size & moved & (new[0] > 0)
 
 
 def noise_s(stats: np.ndarray) -> float:

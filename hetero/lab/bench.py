@@ -19,11 +19,11 @@ from pathlib import Path
 from ..core import safeio
 from ..core.partition import SCHEMES
 from ..trainer.cli import CliParser
-from . import efficiency, fsdp_overhead, hfbench, overhead, recovery, simbench
+from . import efficiency, fsdp_overhead, hfbench, outside, overhead, recovery, simbench
 from .launch import root
 from .measure import LaunchError, markdown_table, run_meta
 
-PARTS = ("balance", "overhead", "fsdp", "balancer", "hf", "recovery")
+PARTS = ("balance", "outside", "overhead", "fsdp", "balancer", "hf", "recovery")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,10 @@ class Suite:
     recovery_kills: int = 3                     # two-agent runs, each losing one agent mid-epoch (median of these)
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
     micro_batch: int = 0                        # the trainer's --micro-batch (0: per-rank batch sizes)
+    outside: tuple[str, ...] = ("quota", "neighbour")      # outside stragglers on the last of 2 ranks (--straggler)
+    come_and_go: tuple[str, ...] = ("dp", "edp", "affine")  # schemes run with a neighbour that comes and goes
+    come_epochs: tuple[int, int, int] = (3, 6, 9)  # its busy neighbour: on after epoch A, off after B, of C epochs
+    come_busy: int = 2                          # spinning processes the neighbour runs (1: rank 1 keeps 1/2 its core)
     parts: tuple[str, ...] = PARTS
 
     def global_batch(self, world: int) -> int:
@@ -71,6 +75,14 @@ class Suite:
             raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
         if self.micro_batch < 0 or (self.micro_batch and self.batch_per_rank % self.micro_batch):
             raise ValueError("need micro_batch >= 0 dividing batch_per_rank")
+        if bad := [k for k in self.outside if k not in ("quota", "neighbour")]:
+            raise ValueError(f"unknown outside straggler {bad[0]!r}: choose from quota, neighbour")
+        if bad := [s for s in self.come_and_go if s not in SCHEMES]:
+            raise ValueError(f"unknown scheme {bad[0]!r} in come_and_go: choose from {', '.join(SCHEMES)}")
+        if self.come_busy < 1:
+            raise ValueError("need come_busy >= 1")
+        if not 1 <= self.come_epochs[0] < self.come_epochs[1] < self.come_epochs[2]:
+            raise ValueError("need come_epochs A, B, C with 1 <= A < B < C")
         if bad := [p for p in self.parts if p not in PARTS]:
             raise ValueError(f"unknown part {bad[0]!r}: choose from {', '.join(PARTS)}")
         if self.pin and "balance" in self.parts and max(self.worlds) > 2 * len(os.sched_getaffinity(0)):
@@ -79,7 +91,7 @@ class Suite:
 
 
 QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
-             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1)
+             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1, come_and_go=("dp",), come_epochs=(2, 4, 6))
 
 
 # -- the report -----------------------------------------------------------------------------------------------
@@ -109,6 +121,7 @@ def checks(res: dict) -> list[dict]:
         if delay := [r for r in cmp if r["kind"] == "delay"]:
             out.append({"target": "affine ahead of dp in the constant-delay rows (largest affine - dp)",
                         "value": max(r["affine"] - r["dp"] for r in delay), "pass": all(r["ahead"] for r in delay)})
+    out += outside_checks(res)
     if ov := res.get("overhead"):
         out.append({"target": "trainer step <= 1.03 x plain DDP step", "value": ov["ratio"],
                     "pass": ov["ratio"] <= 1.03})
@@ -130,6 +143,39 @@ def checks(res: dict) -> list[dict]:
         if r["workers"] == 4096:
             out.append({"target": f"one {r['rule']} decision for 4096 workers < 10 ms", "value": r["decision_ms"],
                         "pass": r["decision_ms"] < 10})
+    return out
+
+
+def outside_checks(res: dict) -> list[dict]:
+    """The outside part's targets (docs/benchmarks.md): each balancing scheme within 1.10 of its ideal and
+    misallocated by at most 0.02, the replay within 0.05, affine within dp's spread, the come-and-go neighbour
+    followed within 3 decisions each way."""
+    out = []
+    summ = [r for r in res.get("outside_summary", []) if r["scheme"] != "sync"]
+    if summ:
+        worst = max(summ, key=lambda r: r["over_ideal"])
+        out.append({"target": f"outside: dp/edp/affine steady epoch <= 1.10 x ideal (worst: {worst['scheme']}, "
+                              f"{worst['effect']})", "value": worst["over_ideal"], "pass": worst["over_ideal"] <= 1.10})
+        worst = max(summ, key=lambda r: r["misallocation"])
+        out.append({"target": f"outside: misallocation <= 0.02 (worst: {worst['scheme']}, {worst['effect']})",
+                    "value": worst["misallocation"], "pass": worst["misallocation"] <= 0.02})
+        worst = max(summ, key=lambda r: r["size_changes"])
+        out.append({"target": "outside: <= 3 size changes in the steady epochs (worst row)",
+                    "value": worst["size_changes"], "pass": worst["size_changes"] <= 3})
+    if sim := [r for r in res.get("outside_summary", []) if r.get("simulated") is not None]:
+        worst = max(sim, key=lambda r: abs(r["simulated"] - r["over_ideal"]))
+        out.append({"target": "outside: simulated epoch / ideal within 0.05 of the measured (worst difference)",
+                    "value": worst["simulated"] - worst["over_ideal"],
+                    "pass": abs(worst["simulated"] - worst["over_ideal"]) <= 0.05})
+    if cmp := res.get("outside_vs_dp"):
+        worst = max(cmp, key=lambda r: r["affine"] - r["dp"] - r["dp_spread"])
+        out.append({"target": "outside: affine <= dp + dp's spread (worst margin)",
+                    "value": worst["affine"] - worst["dp"] - worst["dp_spread"], "pass": all(r["within"] for r in cmp)})
+    for r in res.get("come_and_go", []):
+        for way in ("fall", "recover"):
+            n = r[f"{way}_decisions"]
+            out.append({"target": f"come-and-go neighbour, {r['scheme']}: share {way}s within 3 decisions",
+                        "value": float("nan") if n is None else n, "pass": n is not None and n <= 3})
     return out
 
 
@@ -168,6 +214,7 @@ def table(res: dict) -> str:
             [[r["world"], r["effect"], f"{r['dp']:.3f}", f"{r['dp_spread']:.3f}", f"{r['affine']:.3f}",
               f"{r['affine_spread']:.3f}", f"{r['affine'] - r['dp']:+.3f}", "yes" if r["within"] else "no"]
              for r in cmp]) + [""]
+    lines += outside_section(res)
     if ov := res.get("overhead"):
         lines += ["## Overhead (no heterogeneity, 2 ranks)", "",
                   f"trainer {1e3 * ov['trainer_step_s']:.2f} ms/step, plain DDP {1e3 * ov['plain_step_s']:.2f} "
@@ -240,6 +287,8 @@ def run(suite: Suite, out: Path, command: str) -> dict:
         res["balance"] = efficiency.balance(suite, out, calib, res["notes"])
         res["balance_summary"] = efficiency.summary(res["balance"])
         res["affine_vs_dp"] = efficiency.affine_vs_dp(res["balance_summary"])
+    if "outside" in suite.parts:
+        run_outside(suite, out, res)
     if "overhead" in suite.parts:
         res["overhead"] = overhead.measure(out, suite.overhead_launches, suite.subset(2), suite.global_batch(2),
                                            suite.overhead_epochs, res["notes"])
@@ -258,6 +307,61 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     safeio.write_text(out / "bench.json", json.dumps(res, indent=1))  # never through a planted link
     safeio.write_text(out / "table.md", table(res))
     return res
+
+
+def run_outside(suite: Suite, out: Path, res: dict) -> None:
+    """The outside part into res: its rows (like the balance part's), the come-and-go runs and their figure, and
+    what its teardown left behind (nothing, when it works)."""
+    calib = res.get("calibration")
+    calib = (calib["fixed_s"], calib["per_sample_s"]) if calib else efficiency.calibrate(suite.global_batch(2))
+    res.setdefault("calibration", {"fixed_s": calib[0], "per_sample_s": calib[1]})
+    with outside.bench_cgroup() as (group, why):
+        if group is None and "quota" in suite.outside:
+            res["notes"].append(f"outside: the quota rows were skipped: {why}")
+        res["outside"] = outside.rows(suite, out, calib, group, res["notes"])
+        res["come_and_go"] = outside.come_and_go(suite, out, res["notes"])
+    res["outside_summary"] = efficiency.summary(res["outside"])
+    res["outside_vs_dp"] = efficiency.affine_vs_dp(res["outside_summary"])
+    if fig := outside.figure(res["come_and_go"], out / "outside_come_and_go.png"):
+        res["figures"] = [*res.get("figures", []), str(fig)]
+    res["outside_teardown"] = outside.leftovers(None if group is None else str(group))
+
+
+def outside_section(res: dict) -> list[str]:
+    """The outside part's tables: its rows like the balance part's, affine against dp, the come-and-go runs."""
+    lines = []
+    if summ := res.get("outside_summary"):
+        n = max(r["repeats"] for r in summ)
+        lines += [f"## Outside stragglers (2 ranks pinned one per core, the last under the straggler; steady epoch "
+                  f"time over the ideal of each run's own fitted cost model; median of {n} run{'s' * (n > 1)}, "
+                  f"[min-max])", ""]
+        lines += markdown_table(
+            ["last rank", "scheme", "/ ideal", "simulated", "speedup vs sync", "predicted", "jitter",
+             "misallocation", "size changes", "shares"],
+            [[r["effect"], r["scheme"],
+              f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
+              _simulated(r), "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
+              f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", f"{r['misallocation']:.3f}",
+              f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])] for r in summ]) + [""]
+    if cmp := res.get("outside_vs_dp"):
+        lines += markdown_table(
+            ["last rank", "dp", "dp spread", "affine", "affine - dp", "within dp's spread"],
+            [[r["effect"], f"{r['dp']:.3f}", f"{r['dp_spread']:.3f}", f"{r['affine']:.3f}",
+              f"{r['affine'] - r['dp']:+.3f}", "yes" if r["within"] else "no"] for r in cmp]) + [""]
+    if cg := res.get("come_and_go"):
+        lines += [f"## A neighbour that comes and goes (busy process on rank 1's core from step {cg[0]['on_step']} "
+                  f"to step {cg[0]['off_step']}; decisions every {cg[0]['every']} steps)", ""]
+        lines += markdown_table(
+            ["scheme", "neighbour's slowdown", "share before", "share with neighbour", "share after",
+             "decisions to fall", "decisions to recover", "size changes after"],
+            [[r["scheme"], f"{r['neighbour_slowdown']:.2f}x",
+              f"{r['share_before']:.3f}", f"{r['share_during']:.3f}", f"{r['share_after']:.3f}",
+              r["fall_decisions"], r["recover_decisions"], r["changes_after"]] for r in cg])
+        lines += ["", "![shares over steps](outside_come_and_go.png)", ""]
+    if (td := res.get("outside_teardown")) is not None:
+        lines += [f"Teardown: cgroups left below {td['cgroup']}: {len(td['cgroups_left'])}; busy neighbours still "
+                  f"running: {len(td['busy_left'])}.", ""]
+    return lines
 
 
 def listed(kind: type):
@@ -290,12 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--recovery-kills", type=int, help="two-agent runs that lose a node (the recovery part)")
+    p.add_argument("--outside", type=listed(str), help="outside stragglers of the outside part: quota,neighbour")
+    p.add_argument("--come-and-go", type=listed(str), help="schemes run with a neighbour that comes and goes")
     p.add_argument("--no-pin", dest="pin", action="store_false", default=None,
                    help="leave ranks unpinned even when there are more ranks than cores")
     ns = p.parse_args(argv)
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
                                         "batch_per_rank", "steps", "repeats", "overhead_launches", "overhead_epochs",
-                                        "pin", "delays", "micro_batch", "hf_runs", "hf_steps", "recovery_kills")
+                                        "pin", "delays", "micro_batch", "hf_runs", "hf_steps", "recovery_kills",
+                                        "outside", "come_and_go")
             if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)

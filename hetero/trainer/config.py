@@ -93,6 +93,8 @@ class Config:
     model: str = _opt("vgg16", "the network", MODEL_CHOICES)
     scheme: str = _opt("edp", "how work is split: sync, dp, edp are the paper's, affine is model-based", SCHEME_CHOICES)
     hetero: str = _opt("", 'heterogeneity emulation spec, e.g. "1:delay=0.1" (the grammar: docs/trainer.md)')
+    straggler: str = _opt("", 'outside straggler, imposed for real: "1:quota=0.33" (a CFS quota of 1/3 core), '
+                               '"1:neighbour=busy", "1:threads=1" (docs/trainer.md; a quota needs cgroup write access)')
     epochs: int = _opt(150, "training epochs")
     global_batch: int = _opt(256, "samples per step over all ranks (B)")
     min_batch: int = _opt(1, "smallest per-rank batch any scheme may assign")
@@ -136,6 +138,7 @@ class Config:
         from ..core.emulator import longest_delay_s, parse_hetero
         from ..core.partition import SCHEMES
         from .models import MODELS
+        from .straggler import parse_straggler
 
         for f in fields(self):  # argparse types the flags; Python callers and grid files may not
             if problem := type_problem(f.name, getattr(self, f.name)):
@@ -214,6 +217,10 @@ class Config:
         if delay_s >= self.timeout_s:  # the peers would wait longer than the timeout each step: a dead rank to them
             raise ConfigError(f"bad --hetero {shown(self.hetero)}: rank {rank} is delayed {delay_s:g} s per step, "
                               f"not below --timeout-s {self.timeout_s:g}")
+        try:
+            parse_straggler(self.straggler)
+        except ValueError as e:
+            raise ConfigError(f"bad --straggler {shown(self.straggler)}: {e}") from None
         if any(m.strip().isdigit() and 0 < int(m) < self.min_batch for m in self.max_batch.split(",")):
             raise ConfigError(f"--max-batch {self.max_batch} is below --min-batch {self.min_batch}")
 
@@ -233,10 +240,14 @@ class Config:
         torchrun restart resuming its own run, where a --hetero rank past a smaller world emulates nobody."""
         from ..core.emulator import parse_hetero
         from ..core.partition import check_feasible
+        from .straggler import parse_straggler
 
         bad = [r for r in parse_hetero(self.hetero) if r >= world]
         if bad and not elastic:
             raise ConfigError(f"bad --hetero {self.hetero!r}: rank {bad[0]} is not below the world size {world}")
+        bad = [r for r in parse_straggler(self.straggler) if r >= world]
+        if bad and not elastic:
+            raise ConfigError(f"bad --straggler {self.straggler!r}: rank {bad[0]} is not below the world size {world}")
         for name in ("device", "threads", "max_batch", "affinity"):
             n = len(getattr(self, name).split(",")) if getattr(self, name) else 0
             if n not in (0, 1, world):
@@ -257,8 +268,20 @@ class Config:
         Ranks on another node are checked there (every rank checks its own node's ranks before the group)."""
         import torch
 
+        from .straggler import StragglerError, check_cgroups, parse_straggler
+
         allowed = sorted(os.sched_getaffinity(0))
         settings = self.rank_settings(world)
+        outside = parse_straggler(self.straggler)
+        if any(outside[r].quota is not None for r in ranks if r in outside):
+            try:
+                check_cgroups()  # a quota here is real or refused: never emulated instead
+            except StragglerError as e:
+                raise ConfigError(f"--straggler {self.straggler!r}: {e}") from None
+        for r in ranks:
+            if r in outside and (n := outside[r].threads) is not None and n > (os.cpu_count() or 1):
+                raise ConfigError(f"--straggler {self.straggler!r}: rank {r} asks for {n} threads, more than the "
+                                  f"{os.cpu_count() or 1} cores of this host")
         for r in ranks:
             device = settings[r].device
             if device.startswith("cuda"):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..core import safeio
 from ..core.agree import HeteroError, named_identity, remap_identities
-from . import runfolder
+from . import runfolder, straggler
 from .checkpoint import check_checkpoint
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, shown
@@ -40,6 +40,7 @@ from .loop import Trainer, TrainingError, evaluate, limits_text  # noqa: F401 - 
 from .provenance import provenance
 from .resume import rejoined_config, resumed_config
 from .runfolder import DiskError, RunFolder, RunLock, claim_run_dir
+from .straggler import StragglerError
 
 
 def run_metadata(cfg: Config, world: World, run_dir: Path, identities: list[str] | None = None) -> dict:
@@ -239,13 +240,21 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(ConfigError(f"--affinity {job.cfg.affinity!r}: cannot pin rank {rank} to cores {sorted(cores)} "
                                   f"({e.strerror})"), rank, 0)
 
+    try:  # an outside straggler (--straggler) is set up after pinning, so a neighbour shares the rank's cores
+        outside = straggler.setup(job.cfg.straggler, rank)
+    except StragglerError as e:
+        return refuse(ConfigError(f"--straggler {job.cfg.straggler!r}: rank {rank}: {e}"), rank, 0)
+
     def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
     signal.signal(signal.SIGTERM, on_term)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        exit_with_launcher(rank)
-    return train(job, settings, rank, local_rank)
+    try:
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            exit_with_launcher(rank)
+        return train(job, settings, rank, local_rank)
+    finally:
+        outside.close()  # the cgroup removed, the neighbour stopped (atexit does it too; a SIGKILL: the next sweep)
 
 
 def start_folder(trainer: Trainer, world: World, job: Job, meta: dict) -> None:

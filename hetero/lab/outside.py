@@ -1,0 +1,227 @@
+"""Part `outside` of `make bench`: the balancers against stragglers hetero does not make (docs/benchmarks.md).
+2 ranks pinned one per core; the last rank under a CFS quota of a third of a core, or sharing its core with a busy
+process (the trainer's --straggler), every scheme, repeated; each row read exactly like the balance part's (its
+own cost model, fitted from its steps). Then a neighbour that comes and goes: the bench itself starts a busy
+process on the last rank's core after one epoch ends and stops it after a later one, and the shares over the
+steps show how the sizes follow it both ways.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..trainer import straggler
+from .efficiency import read_row
+from .launch import clean_env, torchrun_cmd
+from .measure import add_speedup_vs_sync, launch
+
+if TYPE_CHECKING:
+    from .bench import Suite
+
+WORLD = 2  # one rank per core on the 2-core host this part is sized for
+MOVED = 0.02  # a share that moved less than this between the levels before and during the neighbour did not follow it
+
+
+def kinds(world: int) -> dict[str, tuple[str, str]]:
+    """(label, --straggler) of each outside straggler on the last rank."""
+    last = world - 1
+    return {"quota": ("1/3 core (CFS quota)", f"{last}:quota=0.33"),
+            "neighbour": ("busy neighbour on its core", f"{last}:neighbour=busy")}
+
+
+def cores(world: int) -> list[int]:
+    """One core per rank (the last ranks share the last core when there are fewer cores)."""
+    own = sorted(os.sched_getaffinity(0))
+    return [own[min(r, len(own) - 1)] for r in range(world)]
+
+
+@contextlib.contextmanager
+def bench_cgroup():
+    """The bench's own cgroup (below hetero's base) for its runs' groups, as $HETERO_CGROUP; on exit every group
+    below it is removed, then it. None where the machine has no writable cpu cgroup (the quota rows are skipped)."""
+    try:
+        h = straggler.check_cgroups({})
+    except straggler.StragglerError as e:
+        yield None, str(e)
+        return
+    own = h.base / f"bench-p{os.getpid()}"
+    own.mkdir(exist_ok=True)
+    try:
+        yield own, ""
+    finally:
+        straggler.sweep(own)
+        for left in [p for p in own.iterdir() if p.is_dir()]:
+            with contextlib.suppress(OSError):
+                left.rmdir()
+        with contextlib.suppress(OSError):
+            own.rmdir()
+
+
+def train(suite: Suite, out: Path, name: str, scheme: str, spec: str, group: Path | None, notes: list[str],
+          epochs: int | None = None, rebalance_every: int = 0, watch=None) -> Path:
+    """One trainer run (tiny model, synthetic data, one thread and one core per rank) with --straggler `spec`."""
+    run_dir = out / "runs" / name
+    env = clean_env(threads="1")
+    if group is not None:
+        env[straggler.ENV_CGROUP] = str(group)
+    stop = threading.Event()
+    watcher = threading.Thread(target=watch, args=(run_dir, stop), daemon=True) if watch else None
+    if watcher:
+        watcher.start()
+    try:
+        launch(torchrun_cmd(WORLD, [
+            "--model", "tiny", "--data", "synthetic", "--subset", str(suite.subset(WORLD)), "--test-subset", "256",
+            "--global-batch", str(suite.global_batch(WORLD)), "--epochs", str(epochs or suite.epochs),
+            "--scheme", scheme, "--straggler", spec, "--threads", "1",
+            "--affinity", ",".join(map(str, cores(WORLD))), "--augment", "false",
+            "--rebalance-every", str(rebalance_every), "--run-dir", str(run_dir)]), out / "logs" / f"{name}.log",
+            900, env, done=run_dir / "summary.json", notes=notes)
+    finally:
+        stop.set()
+        if watcher:
+            watcher.join()
+        if group is not None:
+            straggler.sweep(group)  # a rank killed mid-run left its group: gone before the next run
+    return run_dir
+
+
+def rows(suite: Suite, out: Path, calib, group: Path | None, notes: list[str]) -> list[dict]:
+    """Every outside row (kind x scheme), `suite.repeats` times, read like the balance part's rows."""
+    found = []
+    todo = {k: v for k, v in kinds(WORLD).items() if k in suite.outside}
+    if "quota" in todo and group is None:
+        todo.pop("quota")
+    for repeat in range(suite.repeats):
+        for kind, (label, spec) in todo.items():
+            batch = []
+            for scheme in suite.schemes:
+                name = f"outside-{kind}-{scheme}-r{repeat}"
+                print(f"bench: {name}", flush=True)
+                d = train(suite, out, name, scheme, spec, group, notes)
+                row = read_row(suite, d, calib, WORLD, (kind, label, ""), scheme, repeat)
+                batch.append({**row, "straggler": spec, "affinity": ",".join(map(str, cores(WORLD)))})
+            add_speedup_vs_sync(batch)
+            found += batch
+    return found
+
+
+# -- a neighbour that comes and goes ----------------------------------------------------------------------------
+def _epochs_done(run_dir: Path) -> int:
+    try:
+        return max(0, len((run_dir / "epochs.csv").read_text().strip().splitlines()) - 1)
+    except OSError:
+        return 0
+
+
+def come_and_go(suite: Suite, out: Path, notes: list[str]) -> list[dict]:
+    """Per scheme in suite.come_and_go: a run whose last rank gets a busy neighbour (suite.come_busy spinning
+    processes) on its core from the end of epoch `on` to the end of epoch `off` (suite.come_epochs = (on, off,
+    epochs)); the shares per step and the decisions each way."""
+    on_after, off_after, epochs = suite.come_epochs
+    every = max(1, suite.steps // 4)
+    found = []
+    for scheme in suite.come_and_go:
+        name = f"outside-come-and-go-{scheme}"
+        print(f"bench: {name}", flush=True)
+        events: dict[str, float] = {}
+
+        def watch(run_dir: Path, stop: threading.Event) -> None:
+            busy: list = []
+            try:
+                while not stop.wait(0.02):
+                    done = _epochs_done(run_dir)
+                    if not busy and "on" not in events and done >= on_after:
+                        busy = [straggler.start_busy({cores(WORLD)[-1]}) for _ in range(suite.come_busy)]
+                        events["on"] = done
+                    if busy and done >= off_after:
+                        for b in busy:
+                            straggler.stop_busy(b)
+                        busy, events["off"] = [], done
+            finally:
+                for b in busy:
+                    straggler.stop_busy(b)
+
+        d = train(suite, out, name, scheme, "", None, notes, epochs=epochs, rebalance_every=every, watch=watch)
+        found.append({**read_come_and_go(d, scheme, suite.steps, every, on_after, off_after),
+                      "neighbour_epochs": [events.get("on"), events.get("off")]})
+    return found
+
+
+def read_come_and_go(d: Path, scheme: str, steps: int, every: int, on_after: int, off_after: int) -> dict:
+    """The last rank's share per global step, the steps the neighbour came and went (the first steps of the epochs
+    after `on_after` and `off_after`), and how many decisions (of every `every` steps) its share took to move."""
+    import pandas as pd
+
+    st = pd.read_csv(d / "steps.csv")
+    world = st["rank"].nunique()
+    grid = st.pivot_table(index=["epoch", "step"], columns="rank", values="batch_size").to_numpy()
+    share = grid[:, world - 1] / grid.sum(1)
+    on, off = on_after * steps, off_after * steps
+    before, during, after = (float(np.median(share[a:b])) for a, b in
+                             ((max(0, on - steps), on), (off - steps, off), (len(share) - steps, len(share))))
+
+    def decisions(start: int, falling: bool) -> int | None:
+        """Decisions after `start` until the share has moved halfway from its level over the epoch before to its
+        level over the epoch after (during the neighbour, or at the end); None if it never gets there."""
+        was, to = (before, during) if falling else (during, after)
+        if (was - to if falling else to - was) < MOVED:  # it did not move by a share worth the name
+            return None
+        mid = (was + to) / 2
+        for k in range(len(share) - start):
+            if (share[start + k] <= mid) if falling else (share[start + k] >= mid):
+                return -(-k // every)  # whole decisions: steps over the decision interval, rounded up
+        return None
+
+    per = st.pivot_table(index=["epoch", "step"], columns="rank", values="compute_s").to_numpy() / np.maximum(grid, 1)
+    rel = per[:, world - 1] / per[:, 0]  # rank 1's time per sample over rank 0's, per step
+    tail = grid[off + 3 * every:]
+    return {"scheme": scheme, "run_dir": str(d), "every": every, "on_step": on, "off_step": off,
+            "share": share.round(4).tolist(), "share_before": before, "share_during": during, "share_after": after,
+            "fall_decisions": decisions(on, True), "recover_decisions": decisions(off, False),
+            # how much slower the neighbour made rank 1, relative to rank 0 (its epochs against the epochs before)
+            "neighbour_slowdown": float(np.median(rel[on:off]) / np.median(rel[:on])),
+            "changes_after": int((np.diff(tail, axis=0) != 0).any(1).sum()) if len(tail) > 1 else 0}
+
+
+def figure(cg: list[dict], path: Path) -> Path | None:
+    """The last rank's share over the steps, one line per scheme, the neighbour's on and off marked."""
+    if not cg:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=120)
+    for r in cg:
+        ax.step(range(len(r["share"])), r["share"], where="post", label=r["scheme"])
+    r = cg[0]
+    ax.axvspan(r["on_step"], r["off_step"], color="0.85", zorder=0, label="busy neighbour on rank 1's core")
+    for x, text in ((r["on_step"], "on"), (r["off_step"], "off")):
+        ax.axvline(x, color="k", lw=0.8, ls="--")
+        ax.annotate(text, (x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -12), textcoords="offset points")
+    top = max(0.6, max(max(r["share"]) for r in cg) + 0.05)
+    ax.set(xlabel="global step", ylabel="rank 1's share of the batch", ylim=(0, top),
+           title=f"A neighbour that comes and goes (rebalancing every {r['every']} steps)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def leftovers(group: str | None) -> dict:
+    """What the part left behind: cgroups below the bench's own (or it), and busy neighbours still running."""
+    busy = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if straggler.BUSY.encode() in Path(entry.path, "cmdline").read_bytes():
+                    busy.append(int(entry.name))
+    left = [str(p) for p in Path(group).rglob("*") if p.is_dir()] if group and Path(group).is_dir() else []
+    return {"cgroup": group, "cgroup_exists": bool(group and Path(group).is_dir()), "cgroups_left": left,
+            "busy_left": busy}

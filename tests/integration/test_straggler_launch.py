@@ -1,0 +1,111 @@
+"""Outside stragglers on the real kernel (root and a writable cpu cgroup; skipped elsewhere): a quota is in force
+while the rank runs and gone after, a SIGKILLed rank's group is swept at the next start and its busy neighbour dies
+with it, and the trainer refuses in one line where the cgroup is read-only (a read-only bind mount of a real cgroup
+in a mount namespace of its own)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetero.lab.launch import clean_env
+from hetero.trainer import straggler
+
+try:
+    BASE = straggler.check_cgroups({}).base
+except straggler.StragglerError as e:
+    BASE, WHY = None, str(e)
+pytestmark = pytest.mark.skipif(BASE is None, reason="no writable cpu cgroup here")
+
+
+@pytest.fixture
+def group():
+    """A cgroup of this test's own below hetero's base, as $HETERO_CGROUP; removed (with what is below) after."""
+    own = BASE / f"test-p{os.getpid()}"
+    own.mkdir(exist_ok=True)
+    yield own
+    straggler.sweep(own)
+    for p in own.iterdir():
+        if p.is_dir():
+            p.rmdir()
+    own.rmdir()
+
+
+CHILD = """import sys, time
+from hetero.trainer import straggler
+out = straggler.setup(sys.argv[1], rank=1)
+where = out.group.path if out.group else '-'
+print(where, out.busy.pid if out.busy else 0, flush=True)
+if sys.argv[2] == 'wait':
+    time.sleep(60)
+out.close()
+"""
+
+
+def _child(spec: str, mode: str, group: Path) -> subprocess.Popen:
+    env = {**clean_env(), straggler.ENV_CGROUP: str(group)}
+    return subprocess.Popen([sys.executable, "-c", CHILD, spec, mode], env=env, stdout=subprocess.PIPE, text=True)
+
+
+def _busy_pids() -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and straggler.BUSY.encode() in Path(entry.path, "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_quota_is_in_force_while_the_rank_runs_and_gone_after(group):
+    p = _child("1:quota=0.25", "wait", group)
+    path, _ = p.stdout.readline().split()
+    path = Path(path)
+    assert path.parent == group
+    quota = path / ("cpu.cfs_quota_us" if (path / "cpu.cfs_quota_us").exists() else "cpu.max")
+    assert quota.read_text().split()[0] == "25000"
+    assert str(p.pid) in (path / "cgroup.procs").read_text().split()
+    p.send_signal(signal.SIGKILL)  # no teardown runs: the group stays until the next start sweeps it
+    p.wait()
+    assert path.is_dir()
+    q = _child("1:quota=0.5", "exit", group)  # the next start (the same rank) sweeps the dead one's group
+    new, _ = q.stdout.readline().split()
+    assert q.wait() == 0 and not path.exists() and not Path(new).exists()  # and removes its own at the end
+
+
+def test_a_busy_neighbour_dies_with_its_rank(group):
+    p = _child("1:neighbour=busy", "wait", group)
+    _, busy = p.stdout.readline().split()
+    assert int(busy) in _busy_pids()
+    assert os.sched_getaffinity(int(busy)) == os.sched_getaffinity(p.pid)  # on the rank's own cores
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    deadline = time.monotonic() + 10
+    while int(busy) in _busy_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert int(busy) not in _busy_pids()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or shutil.which("mount") is None, reason="needs unshare, mount")
+def test_a_read_only_cgroup_is_refused_in_one_line(group, tmp_path):
+    ro = group / "ro"
+    ro.mkdir()
+    env = {**clean_env(), straggler.ENV_CGROUP: str(ro)}
+    cmd = (f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && exec {sys.executable} -m hetero.trainer "
+           f"--check --model tiny --data synthetic --subset 256 --global-batch 64 --epochs 1 "
+           f"--straggler 0:quota=0.5 --run-dir {tmp_path / 'run'}")
+    r = subprocess.run(["unshare", "-m", "sh", "-c", cmd], env=env, capture_output=True, text=True, timeout=300)
+    if "mount:" in r.stderr:
+        pytest.skip(f"no read-only bind mount here: {r.stderr.strip()}")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("hetero: error: --straggler '0:quota=0.5': cannot create the cgroup") and \
+        "Read-only file system" in lines[0]
+    assert not [p for p in ro.iterdir() if p.is_dir()] and not (tmp_path / "run").exists()

@@ -1,0 +1,64 @@
+"""The --straggler grammar, its checks in the Config, and the cgroup plumbing on folders that are not cgroups (the
+stale-group sweep, the refusal of a folder that is no cpu cgroup). Real cgroups, kills and the read-only refusal:
+tests/integration/test_straggler_launch.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hetero.trainer import straggler
+from hetero.trainer.config import Config, ConfigError
+from hetero.trainer.straggler import Straggler, parse_straggler
+
+
+def test_grammar_reads_each_kind_per_rank():
+    assert parse_straggler("") == {}
+    assert parse_straggler("1:quota=0.33, 1:neighbour=busy,0:threads=2") == {
+        1: Straggler(quota=0.33, neighbour="busy"), 0: Straggler(threads=2)}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1:quota=abc", "not a number"), ("1:quota=0.001", "between"), ("1:quota=2000", "between"),
+    ("1:neighbour=idle", "choose busy"), ("1:threads=0", "at least 1"), ("1:threads=x", "whole number"),
+    ("1:speed=2", "is not RANK"), ("quota=0.5", "is not RANK"), ("1:quota=0.5,1:quota=0.2", "quota twice")])
+def test_bad_items_are_named(text, says):
+    with pytest.raises(ValueError, match=says):
+        parse_straggler(text)
+    with pytest.raises(ConfigError, match=f"bad --straggler .*{says}"):  # the trainer's one line
+        Config(straggler=text)
+
+
+def test_a_rank_past_the_world_is_refused():
+    with pytest.raises(ConfigError, match="rank 2 is not below the world size 2"):
+        Config(straggler="2:neighbour=busy").check_world(2)
+
+
+def test_a_folder_that_is_no_cgroup_is_refused_never_emulated(tmp_path):
+    env = {straggler.ENV_CGROUP: str(tmp_path)}
+    with pytest.raises(straggler.StragglerError, match="is not a cgroup with the cpu controller"):
+        straggler.check_cgroups(env)
+    with pytest.raises(straggler.StragglerError, match="is not a folder"):
+        straggler.hierarchy({straggler.ENV_CGROUP: str(tmp_path / "missing")})
+    # a folder that looks like one (its files planted) but whose children the kernel does not fill: refused too
+    (tmp_path / "cgroup.procs").write_text("")
+    (tmp_path / "cpu.cfs_quota_us").write_text("-1\n")
+    with pytest.raises(straggler.StragglerError, match="has no cpu.cfs_quota_us"):
+        straggler.check_cgroups(env)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the probe group is gone again
+
+
+def test_sweep_removes_only_the_groups_of_processes_that_are_gone(tmp_path):
+    dead = 2 ** 22 + 7  # above the default pid_max: no such process
+    for name in (f"r1-p{dead}", f"r0-p{os.getpid()}", "bench-p1", f"x-p{dead}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cgroup.procs").write_text("")
+    os.remove(tmp_path / f"r1-p{dead}" / "cgroup.procs")  # a real cgroup folder's files go with it on rmdir
+    assert straggler.sweep(tmp_path) == [tmp_path / f"r1-p{dead}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"r0-p{os.getpid()}", "bench-p1", f"x-p{dead}"])
+
+
+def test_a_rank_without_a_straggler_sets_nothing_up():
+    out = straggler.setup("1:quota=0.5", rank=0)
+    assert out.group is None and out.busy is None
+    out.close()

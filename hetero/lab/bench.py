@@ -95,6 +95,22 @@ QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, re
 
 
 # -- the report -----------------------------------------------------------------------------------------------
+def _replayed(rows: list[dict], tolerance: float, target: str) -> list[dict]:
+    """The simulator's replay against the measured epoch / ideal: the worst row, if any row was replayed."""
+    if not (sim := [r for r in rows if r.get("simulated") is not None]):
+        return []
+    worst = max(sim, key=lambda r: abs(r["simulated"] - r["over_ideal"]))
+    gap = worst["simulated"] - worst["over_ideal"]
+    return [{"target": target, "value": gap, "pass": abs(gap) <= tolerance}]
+
+
+def _affine_vs_dp(cmp: list[dict], target: str) -> dict:
+    """affine behind dp by no more than dp's spread in every row: the worst margin."""
+    worst = max(cmp, key=lambda r: r["affine"] - r["dp"] - r["dp_spread"])
+    return {"target": target, "value": worst["affine"] - worst["dp"] - worst["dp_spread"],
+            "pass": all(r["within"] for r in cmp)}
+
+
 def checks(res: dict) -> list[dict]:
     """The suite's targets (docs/benchmarks.md), each with the measured value and whether it passes; balance rows
     by their median over the repeats."""
@@ -109,15 +125,9 @@ def checks(res: dict) -> list[dict]:
         worst = max(sy, key=lambda v: abs(v - 1))
         out.append({"target": "sync epoch time within 10% of the slowest-rank bound", "value": worst,
                     "pass": abs(worst - 1) <= 0.10})
-    if sim := [r for r in summ if r.get("simulated") is not None]:
-        worst = max(sim, key=lambda r: abs(r["simulated"] - r["over_ideal"]))
-        out.append({"target": "simulated epoch / ideal within 0.03 of the measured, every row (worst difference)",
-                    "value": worst["simulated"] - worst["over_ideal"],
-                    "pass": abs(worst["simulated"] - worst["over_ideal"]) <= 0.03})
+    out += _replayed(summ, 0.03, "simulated epoch / ideal within 0.03 of the measured, every row (worst difference)")
     if cmp := res.get("affine_vs_dp"):
-        worst = max(cmp, key=lambda r: r["affine"] - r["dp"] - r["dp_spread"])
-        out.append({"target": "affine <= dp + dp's run-to-run spread, every row (worst margin)",
-                    "value": worst["affine"] - worst["dp"] - worst["dp_spread"], "pass": all(r["within"] for r in cmp)})
+        out.append(_affine_vs_dp(cmp, "affine <= dp + dp's run-to-run spread, every row (worst margin)"))
         if delay := [r for r in cmp if r["kind"] == "delay"]:
             out.append({"target": "affine ahead of dp in the constant-delay rows (largest affine - dp)",
                         "value": max(r["affine"] - r["dp"] for r in delay), "pass": all(r["ahead"] for r in delay)})
@@ -166,15 +176,10 @@ def outside_checks(res: dict) -> list[dict]:
         worst = max(summ, key=lambda r: r["size_changes"])
         out.append({"target": "outside: <= 3 size changes in the steady epochs (worst row)",
                     "value": worst["size_changes"], "pass": worst["size_changes"] <= 3})
-    if sim := [r for r in res.get("outside_summary", []) if r.get("simulated") is not None]:
-        worst = max(sim, key=lambda r: abs(r["simulated"] - r["over_ideal"]))
-        out.append({"target": "outside: simulated epoch / ideal within 0.05 of the measured (worst difference)",
-                    "value": worst["simulated"] - worst["over_ideal"],
-                    "pass": abs(worst["simulated"] - worst["over_ideal"]) <= 0.05})
+    out += _replayed(res.get("outside_summary", []), 0.05,
+                     "outside: simulated epoch / ideal within 0.05 of the measured (worst difference)")
     if cmp := res.get("outside_vs_dp"):
-        worst = max(cmp, key=lambda r: r["affine"] - r["dp"] - r["dp_spread"])
-        out.append({"target": "outside: affine <= dp + dp's spread (worst margin)",
-                    "value": worst["affine"] - worst["dp"] - worst["dp_spread"], "pass": all(r["within"] for r in cmp)})
+        out.append(_affine_vs_dp(cmp, "outside: affine <= dp + dp's spread (worst margin)"))
     for r in res.get("come_and_go", []):
         for way in ("fall", "recover"):
             n = r[f"{way}_decisions"]

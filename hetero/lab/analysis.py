@@ -27,8 +27,21 @@ def scheme_label(scheme: str) -> str:
     return SCHEMES[scheme].label if scheme in SCHEMES else scheme
 
 
+OUTSIDE = " + outside "  # a run's heterogeneity key: the emulated spec, then the outside straggler (--straggler)
+
+
+def heterogeneity(hetero: str, straggler: str = "") -> str:
+    """A run's heterogeneity as one key (the tables group by it): "1:slowdown=3", " + outside 1:quota=0.33", ..."""
+    return f"{hetero}{OUTSIDE}{straggler}" if straggler else hetero
+
+
 def hetero_label(spec: str) -> str:
-    """A heterogeneity spec in words: "1:delay=0.01" -> "rank 1 +10 ms/step", "1:slowdown=3" -> "rank 1 3x slower"."""
+    """A heterogeneity key in words: "1:delay=0.01" -> "rank 1 +10 ms/step", "1:slowdown=3" -> "rank 1 3x slower",
+    " + outside 1:quota=0.33" -> "rank 1 under a quota of 0.33 core (outside)"."""
+    if OUTSIDE in spec:
+        emulated, outside = spec.split(OUTSIDE, 1)
+        words = [_outside_label(outside)]
+        return ", ".join([hetero_label(emulated), *words] if emulated else words)
     if not spec:
         return "homogeneous"
     try:
@@ -46,6 +59,24 @@ def hetero_label(spec: str) -> str:
                 what += f" (every {a} steps, {b} on)" if kind == "cycle" else \
                     f" ({kind}s {a}\u2013{'' if b is None else b})"
             words.append(f"rank {rank} {what}")
+    return ", ".join(words)
+
+
+def _outside_label(spec: str) -> str:
+    from ..trainer.straggler import parse_straggler
+
+    try:
+        ranks = parse_straggler(spec)
+    except ValueError:
+        return f"outside {spec}"
+    words = []
+    for rank, st in sorted(ranks.items()):
+        if st.quota is not None:
+            words.append(f"rank {rank} under a quota of {st.quota:g} core (outside)")
+        if st.neighbour is not None:
+            words.append(f"rank {rank} beside a {st.neighbour} neighbour (outside)")
+        if st.threads is not None:
+            words.append(f"rank {rank} on {st.threads} thread(s) (outside)")
     return ", ".join(words)
 
 
@@ -85,8 +116,9 @@ def load(source: str | Path | Sequence[str | Path]) -> Frames:
         meta = json.loads((path / "config.json").read_text())
         cfg = meta["config"]
         summary = json.loads((path / "summary.json").read_text()) if (path / "summary.json").exists() else {}
-        ident = {"run": path.name, "model": cfg["model"], "hetero": cfg["hetero"],
-                 "setting": f"{cfg['model']}, {hetero_label(cfg['hetero'])}", "scheme": cfg["scheme"],
+        kind = heterogeneity(cfg["hetero"], cfg.get("straggler", ""))
+        ident = {"run": path.name, "model": cfg["model"], "hetero": kind,
+                 "setting": f"{cfg['model']}, {hetero_label(kind)}", "scheme": cfg["scheme"],
                  "scheme_label": scheme_label(cfg["scheme"]), "seed": cfg["seed"]}
         status = run_status(path)  # a dead job's "running" reads "interrupted" (its folder lock is free)
         runs.append({**ident, "status": status, "error": summary.get("error", ""),
@@ -140,10 +172,15 @@ def _unlaunched(source, seen: set[str]) -> list[dict]:
     if not isinstance(source, (str, Path)) or not (from_root(source) / "grid.csv").exists():
         return []
     table = pd.read_csv(from_root(source) / "grid.csv", keep_default_na=False)
-    return [{"run": r["run"], "model": r["model"], "hetero": r["hetero"],
-             "setting": f"{r['model']}, {hetero_label(r['hetero'])}", "scheme": r["scheme"],
-             "scheme_label": scheme_label(r["scheme"]), "seed": r["seed"], "status": r["status"],
-             "error": r["error"]} for _, r in table.iterrows() if r["run"] not in seen]
+    rows = []
+    for _, r in table.iterrows():
+        if r["run"] not in seen:
+            kind = heterogeneity(r["hetero"], r.get("straggler", ""))
+            rows.append({"run": r["run"], "model": r["model"], "hetero": kind,
+                         "setting": f"{r['model']}, {hetero_label(kind)}", "scheme": r["scheme"],
+                         "scheme_label": scheme_label(r["scheme"]), "seed": r["seed"], "status": r["status"],
+                         "error": r["error"]})
+    return rows
 
 
 def completed(frames: Frames) -> pd.DataFrame:

@@ -29,11 +29,12 @@ def test_notebooks_are_committed_without_outputs(path):
     assert nb.metadata.kernelspec.name == "hetero"
 
 
-def _fake_run(root: Path, name: str, scheme: str, seed: int, times: list[float], top1: list[float]) -> None:
+def _fake_run(root: Path, name: str, scheme: str, seed: int, times: list[float], top1: list[float],
+              hetero: str = "1:delay=0.1", straggler: str | None = None) -> None:
     d = root / name
     d.mkdir(parents=True)
-    cfg = {"model": "tiny", "scheme": scheme, "hetero": "1:delay=0.1", "seed": seed, "global_batch": 64,
-           "epochs": len(times)}
+    cfg = {"model": "tiny", "scheme": scheme, "hetero": hetero, "seed": seed, "global_batch": 64,
+           "epochs": len(times), **({} if straggler is None else {"straggler": straggler})}
     (d / "config.json").write_text(json.dumps({"config": cfg, "world_size": 2}))
     (d / "summary.json").write_text(json.dumps({"status": "completed", "error": "", "epochs_completed": len(times),
                                                 "train_time_s": times[-1], "final_test_top1": top1[-1],
@@ -71,6 +72,20 @@ def test_summary_table_speedup_target_and_spread(tmp_path):
     assert tb[("dp", 0, "waiting for other ranks")] == 2.0 and tb[("dp", 0, "evaluation")] == 1.0
     text = analysis.format_summary(analysis.summary_table(frames, 0.75))
     assert text.loc[0, "scheme"] == "Sync-SGD" and "(1/2 seeds)" in text.loc[0, "time to target (s)"]
+
+
+def test_outside_stragglers_are_levels_of_their_own(tmp_path):
+    """Issue 34's grid: runs with hetero "" under two outside stragglers are two settings, each with its own Sync-SGD
+    for the speedup, not one setting that mixes them."""
+    for kind, (sync_s, dp_s) in {"1:quota=0.33": (30, 15), "1:neighbour=busy": (20, 16)}.items():
+        for scheme, t in (("sync", sync_s), ("dp", dp_s)):
+            _fake_run(tmp_path, f"{scheme}-{kind[2:6]}", scheme, 0, [t / 2, t], [0.5, 0.9], "", kind)
+    t = analysis.summary_table(analysis.load(tmp_path))
+    speed = {(h, s): v for h, s, v in zip(t["heterogeneity"], t["scheme"], t["speedup_vs_sync"])}
+    assert speed == {("rank 1 under a quota of 0.33 core (outside)", "sync"): 1.0,
+                     ("rank 1 under a quota of 0.33 core (outside)", "dp"): 2.0,
+                     ("rank 1 beside a busy neighbour (outside)", "sync"): 1.0,
+                     ("rank 1 beside a busy neighbour (outside)", "dp"): 1.25}
 
 
 def test_labels_read_as_words():

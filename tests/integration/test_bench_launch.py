@@ -114,7 +114,6 @@ def test_bench_outside_quick_rows_teardown_and_a_neighbour_followed_both_ways(tm
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     out = tmp_path / "gpu" / "check.json"
     _run([sys.executable, "scripts/gpu_check.py", "--smoke", "--schemes", "edp", "--pair-hetero", "1:slowdown=8",

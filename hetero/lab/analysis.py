@@ -15,7 +15,7 @@ import pandas as pd
 
 from ..core import safeio
 from ..core.emulator import parse_hetero
-from ..core.partition import SCHEMES
+from ..core.partition import SCHEMES, affine_batch_sizes, batch_sizes, fit_affine, predicted_step_s
 from ..trainer.runfolder import status as run_status
 from .launch import from_root
 
@@ -199,22 +199,53 @@ def auto_target(runs: pd.DataFrame) -> float:
     return float(np.floor(95 * worst) / 100)
 
 
+def predicted_speedup(frames: Frames, runs: pd.DataFrame) -> float:
+    """The cost model's speedup over equal shares for one setting's runs (same model and heterogeneity): each
+    rank's step time fitted as fixed + per-sample x batch (hetero.core.partition.fit_affine, stalls clipped) from
+    the steps of every one of these runs after its first epoch, pooled (the schemes' different sizes give the
+    slope), then (slowest rank at equal sizes + all-reduce) / (slowest rank at the model's best sizes +
+    all-reduce), the all-reduce being the median over steps of the least wait of any rank. NaN without steps or
+    with a changing world."""
+    st = frames.steps[frames.steps["run"].isin(runs["run"])]
+    if len(st) and st["epoch"].max() > 1:
+        st = st[st["epoch"] > 1]
+    worlds = runs["world_size"].dropna().unique()
+    if not len(st) or len(worlds) != 1 or st.groupby("run")["rank"].nunique().ne(int(worlds[0])).any():
+        return float("nan")
+    grid = lambda col: st.pivot_table(index=["run", "epoch", "step"], columns="rank", values=col)  # noqa: E731
+    sizes, times = grid("batch_size"), grid("compute_s")
+    if sizes.isna().any().any():
+        return float("nan")
+    a, c = fit_affine(sizes.to_numpy(), times.to_numpy())
+    if not (np.isfinite(a).all() and np.isfinite(c).all()):
+        return float("nan")
+    g, m = int(runs["global_batch"].iloc[0]), int(runs["micro_batch"].fillna(0).iloc[0]) or 1
+    best = affine_batch_sizes(a, c, g, granularity=m)
+    equal = batch_sizes(np.ones(len(a)), g, granularity=m)
+    allreduce = float(st.groupby(["run", "epoch", "step"])["wait_s"].min().median())
+    return (predicted_step_s(a, c, equal) + allreduce) / (predicted_step_s(a, c, best) + allreduce)
+
+
 def summary_table(frames: Frames, target_top1: float = 0.0) -> pd.DataFrame:
     """One row per (model, hetero, scheme) over completed runs (seeds): times in s, accuracies as fractions.
 
     speedup_vs_sync = Sync-SGD's mean training time / this scheme's (same model and heterogeneity);
-    target_top1 <= 0 picks a target per setting (auto_target)."""
+    predicted_speedup = the cost model's (predicted_speedup: 1 for Sync-SGD, the best sizes' for the others), and
+    of_predicted = speedup_vs_sync / predicted_speedup; target_top1 <= 0 picks a target per setting (auto_target)."""
     runs = completed(frames)
     rows = []
     for (model, hetero), setting in runs.groupby(["model", "hetero"], sort=False):
         target = target_top1 if target_top1 > 0 else auto_target(setting)
         sync_s = setting.loc[setting["scheme"] == "sync", "train_time_s"].mean()
+        model_speedup = predicted_speedup(frames, setting)
         for scheme, g in setting.groupby("scheme", sort=False):
+            predicted = 1.0 if scheme == "sync" else model_speedup
             ttt = time_to_target(frames.epochs[frames.epochs["run"].isin(g["run"])], target)
             rows.append({"model": model, "hetero": hetero, "heterogeneity": hetero_label(hetero), "scheme": scheme,
                          "scheme_label": scheme_label(scheme), "seeds": len(g),
                          "train_time_s_mean": g["train_time_s"].mean(), "train_time_s_sd": g["train_time_s"].std(),
-                         "speedup_vs_sync": sync_s / g["train_time_s"].mean(), "target_top1": target,
+                         "speedup_vs_sync": sync_s / g["train_time_s"].mean(), "predicted_speedup": predicted,
+                         "of_predicted": sync_s / g["train_time_s"].mean() / predicted, "target_top1": target,
                          "time_to_target_s_mean": ttt.mean(), "reached_target": int(ttt.notna().sum()),
                          "final_test_top1_mean": g["final_test_top1"].mean(),
                          "final_test_top1_sd": g["final_test_top1"].std(),
@@ -231,6 +262,8 @@ def format_summary(table: pd.DataFrame) -> pd.DataFrame:
         "seeds": table["seeds"],
         "training time (s)": [pm(m, s, ".1f") for m, s in zip(table["train_time_s_mean"], table["train_time_s_sd"])],
         "speedup vs Sync-SGD": table["speedup_vs_sync"].map(lambda v: "" if np.isnan(v) else f"{v:.2f}\u00d7"),
+        "cost model's speedup": table["predicted_speedup"].map(lambda v: "" if np.isnan(v) else f"{v:.2f}\u00d7"),
+        "measured / model's": table["of_predicted"].map(lambda v: "" if np.isnan(v) else f"{v:.2f}"),
         "time to target (s)": [("not reached" if n == 0 else f"{t:.1f}" + (f" ({n}/{k} seeds)" if n < k else ""))
                                + f" [top-1 \u2265 {100 * g:.0f}%]" for t, n, k, g in
                                zip(table["time_to_target_s_mean"], table["reached_target"], table["seeds"],

@@ -46,7 +46,7 @@ class Suite:
     recovery_kills: int = 3                     # two-agent runs, each losing one agent mid-epoch (median of these)
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
     micro_batch: int = 0                        # the trainer's --micro-batch (0: per-rank batch sizes)
-    outside: tuple[str, ...] = ("quota", "neighbour")      # outside stragglers on the last of 2 ranks (--straggler)
+    outside: tuple[str, ...] = ("quota", "quota-10ms", "neighbour")  # stragglers on the last of 2 ranks (--straggler)
     come_and_go: tuple[str, ...] = ("dp", "edp", "affine")  # schemes run with a neighbour that comes and goes
     come_epochs: tuple[int, int, int] = (3, 6, 9)  # its busy neighbour: on after epoch A, off after B, of C epochs
     come_busy: int = 2                          # spinning processes the neighbour runs (1: rank 1 keeps 1/2 its core)
@@ -75,8 +75,8 @@ class Suite:
             raise ValueError(f"unknown scheme {bad[0]!r}: choose from {', '.join(SCHEMES)}")
         if self.micro_batch < 0 or (self.micro_batch and self.batch_per_rank % self.micro_batch):
             raise ValueError("need micro_batch >= 0 dividing batch_per_rank")
-        if bad := [k for k in self.outside if k not in ("quota", "neighbour")]:
-            raise ValueError(f"unknown outside straggler {bad[0]!r}: choose from quota, neighbour")
+        if bad := [k for k in self.outside if k not in outside.kinds(2)]:
+            raise ValueError(f"unknown outside straggler {bad[0]!r}: choose from {', '.join(outside.kinds(2))}")
         if bad := [s for s in self.come_and_go if s not in SCHEMES]:
             raise ValueError(f"unknown scheme {bad[0]!r} in come_and_go: choose from {', '.join(SCHEMES)}")
         if self.come_busy < 1:
@@ -91,7 +91,8 @@ class Suite:
 
 
 QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
-             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1, come_and_go=("dp",), come_epochs=(2, 4, 6))
+             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1, outside=("quota", "neighbour"),
+             come_and_go=("dp",), come_epochs=(2, 4, 6))
 
 
 # -- the report -----------------------------------------------------------------------------------------------
@@ -330,7 +331,7 @@ def run_outside(suite: Suite, out: Path, res: dict) -> None:
     calib = (calib["fixed_s"], calib["per_sample_s"]) if calib else efficiency.calibrate(suite.global_batch(2))
     res.setdefault("calibration", {"fixed_s": calib[0], "per_sample_s": calib[1]})
     with outside.bench_cgroup() as (group, why):
-        if group is None and "quota" in suite.outside:
+        if group is None and any(k.startswith("quota") for k in suite.outside):
             res["notes"].append(f"outside: the quota rows were skipped: {why}")
         res["outside"] = outside.rows(suite, out, calib, group, res["notes"])
         res["come_and_go"] = outside.come_and_go(suite, out, res["notes"])
@@ -408,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--recovery-kills", type=int, help="two-agent runs that lose a node (the recovery part)")
-    p.add_argument("--outside", type=listed(str), help="outside stragglers of the outside part: quota,neighbour")
+    p.add_argument("--outside", type=listed(str),
+                   help="outside stragglers of the outside part: quota,quota-10ms,neighbour")
     p.add_argument("--come-and-go", type=listed(str), help="schemes run with a neighbour that comes and goes")
     p.add_argument("--no-pin", dest="pin", action="store_false", default=None,
                    help="leave ranks unpinned even when there are more ranks than cores")

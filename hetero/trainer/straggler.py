@@ -2,8 +2,9 @@
 (docs/trainer.md, --straggler). Set up by the rank itself before its process group, torn down when it ends.
 
 Grammar: items separated by ",", each `RANK:KIND=VALUE`.
-  quota=Q          the rank's process runs in a child cgroup of its own with a CFS quota of Q cores
-                   (cpu.cfs_quota_us = Q x cpu.cfs_period_us under cgroup v1, cpu.max under v2)
+  quota=Q[@Pms]    the rank's process runs in a child cgroup of its own with a CFS quota of Q cores per period of
+                   P ms (default 100, the kernel's: cpu.cfs_quota_us = Q x cpu.cfs_period_us under cgroup v1,
+                   cpu.max under v2); the shorter the period, the finer the bursts
   neighbour=busy   a busy-loop process pinned to the rank's cores competes with it for as long as it runs
   threads=N        the rank runs N torch threads, whatever --threads says
 
@@ -28,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV_CGROUP = "HETERO_CGROUP"   # the cgroup folder hetero makes its groups in
-PERIOD_US = 100_000            # the CFS period a quota is given in (the kernel's default)
+PERIOD_US = 100_000            # the CFS period a quota is given in unless it says (the kernel's default)
 MIN_QUOTA_US = 1000            # the kernel refuses a quota below 1 ms
+MAX_PERIOD_US = 1_000_000      # and a period above 1 s
 KINDS = ("quota", "neighbour", "threads")
 NEIGHBOURS = ("busy",)
 _ITEM = re.compile(r"^(\d{1,6}):(quota|neighbour|threads)=(.{1,40})$", re.ASCII)
@@ -44,10 +46,12 @@ class StragglerError(RuntimeError):
 
 @dataclass(frozen=True)
 class Straggler:
-    """One rank's outside slowdowns: a CFS quota in cores, a competing process, a thread count (None: not set)."""
+    """One rank's outside slowdowns: a CFS quota in cores (per `period_us`), a competing process, a thread count
+    (None: not set)."""
     quota: float | None = None
     neighbour: str | None = None
     threads: int | None = None
+    period_us: int = PERIOD_US
 
 
 def parse_straggler(text: str) -> dict[int, Straggler]:
@@ -56,18 +60,28 @@ def parse_straggler(text: str) -> dict[int, Straggler]:
     for item in filter(None, (t.strip() for t in text.split(","))):
         m = _ITEM.match(item)
         if not m:
-            raise ValueError(f"item {item[:40]!r} is not RANK:quota=Q, RANK:neighbour=busy or RANK:threads=N")
+            raise ValueError(f"item {item[:40]!r} is not RANK:quota=Q[@Pms], RANK:neighbour=busy or RANK:threads=N")
         rank, kind, value = int(m[1]), m[2], m[3]
         if kind in out.setdefault(rank, {}):
             raise ValueError(f"rank {rank} has {kind} twice")
         if kind == "quota":
+            cores, _, period = value.partition("@")
             try:
-                q = float(value)
+                q = float(cores)
             except ValueError:
-                raise ValueError(f"quota {value!r} is not a number of cores") from None
-            if not (q * PERIOD_US >= MIN_QUOTA_US and q <= 1024):
-                raise ValueError(f"quota {value!r} must be between {MIN_QUOTA_US / PERIOD_US:g} and 1024 cores")
-            out[rank][kind] = q
+                raise ValueError(f"quota {value!r} is not a number of cores (Q or Q@Pms)") from None
+            if not period:
+                us = PERIOD_US
+            elif m := re.fullmatch(r"([0-9]{1,4})ms", period):
+                us = int(m[1]) * 1000
+                if not MIN_QUOTA_US <= us <= MAX_PERIOD_US:
+                    raise ValueError(f"quota period {period!r} must be between 1ms and {MAX_PERIOD_US // 1000}ms")
+            else:
+                raise ValueError(f"quota period {period!r} is not a whole number of ms, like @10ms")
+            if not (q * us >= MIN_QUOTA_US and q <= 1024):
+                raise ValueError(f"quota {value!r} must be between {MIN_QUOTA_US / us:g} and 1024 cores "
+                                 f"(the kernel's least quota is 1 ms per period)")
+            out[rank][kind], out[rank]["period_us"] = q, us
         elif kind == "neighbour":
             if value not in NEIGHBOURS:
                 raise ValueError(f"neighbour {value!r}: choose {', '.join(NEIGHBOURS)}")
@@ -191,7 +205,7 @@ def _make_base(h: Hierarchy) -> None:
 class Group:
     """One rank's child cgroup with a CFS quota; the process moves in at start and out at close."""
 
-    def __init__(self, h: Hierarchy, rank: int, quota: float):
+    def __init__(self, h: Hierarchy, rank: int, quota: float, period_us: int = PERIOD_US):
         self.h, self.path, self.back = h, h.base / f"r{rank}-p{os.getpid()}", _own_cgroup(h)
         _make_base(h)
         sweep(h.base)
@@ -200,17 +214,17 @@ class Group:
         except OSError as e:
             raise StragglerError(_cannot(self.path, e)) from None
         try:
-            us = max(MIN_QUOTA_US, round(quota * PERIOD_US))
+            us = max(MIN_QUOTA_US, round(quota * period_us))
             if h.version == 1:
                 if not (self.path / "cpu.cfs_quota_us").is_file():
                     raise StragglerError(f"{self.path} has no cpu.cfs_quota_us: {h.base} is not a cpu cgroup")
-                _write(self.path / "cpu.cfs_period_us", str(PERIOD_US), "set the CFS period")
+                _write(self.path / "cpu.cfs_period_us", str(period_us), "set the CFS period")
                 _write(self.path / "cpu.cfs_quota_us", str(us), "set the CFS quota")
             else:
                 if not (self.path / "cpu.max").is_file():
                     raise StragglerError(f"{self.path} has no cpu.max: the cpu controller is not enabled below "
                                          f"{h.base}")
-                _write(self.path / "cpu.max", f"{us} {PERIOD_US}", "set the CFS quota")
+                _write(self.path / "cpu.max", f"{us} {period_us}", "set the CFS quota")
             _write(self.path / "cgroup.procs", str(os.getpid()), "move the rank into its cgroup")
         except BaseException:
             self.close()
@@ -291,7 +305,7 @@ class Outside:
             if spec.neighbour:  # before the cgroup: the neighbour competes from outside the rank's quota
                 self.busy = start_busy()
             if spec.quota is not None:
-                self.group = Group(hierarchy(env), rank, spec.quota)
+                self.group = Group(hierarchy(env), rank, spec.quota, spec.period_us)
             if spec.threads is not None:
                 import torch
                 torch.set_num_threads(spec.threads)

@@ -16,12 +16,15 @@ def test_grammar_reads_each_kind_per_rank():
     assert parse_straggler("") == {}
     assert parse_straggler("1:quota=0.33, 1:neighbour=busy,0:threads=2") == {
         1: Straggler(quota=0.33, neighbour="busy"), 0: Straggler(threads=2)}
+    assert parse_straggler("1:quota=0.33@10ms") == {1: Straggler(quota=0.33, period_us=10_000)}
 
 
 @pytest.mark.parametrize("text, says", [
     ("1:quota=abc", "not a number"), ("1:quota=0.001", "between"), ("1:quota=2000", "between"),
     ("1:neighbour=idle", "choose busy"), ("1:threads=0", "at least 1"), ("1:threads=x", "whole number"),
-    ("1:speed=2", "is not RANK"), ("quota=0.5", "is not RANK"), ("1:quota=0.5,1:quota=0.2", "quota twice")])
+    ("1:speed=2", "is not RANK"), ("quota=0.5", "is not RANK"), ("1:quota=0.5,1:quota=0.2", "quota twice"),
+    ("1:quota=0.33@10", "whole number of ms"), ("1:quota=0.33@2000ms", "between 1ms and 1000ms"),
+    ("1:quota=0.05@10ms", "between 0.1 and 1024")])
 def test_bad_items_are_named(text, says):
     with pytest.raises(ValueError, match=says):
         parse_straggler(text)

@@ -35,6 +35,14 @@ def heterogeneity(hetero: str, straggler: str = "") -> str:
     return f"{hetero}{OUTSIDE}{straggler}" if straggler else hetero
 
 
+def slowed_ranks(spec: str) -> dict[int, str]:
+    """{rank: "slowed" (by the emulator) or "outside" (an outside straggler)} of a heterogeneity key."""
+    from ..trainer.straggler import parse_straggler
+
+    emulated, _, outside = spec.partition(OUTSIDE)
+    return {**{r: "slowed" for r in parse_hetero(emulated)}, **{r: "outside" for r in parse_straggler(outside)}}
+
+
 def hetero_label(spec: str) -> str:
     """A heterogeneity key in words: "1:delay=0.01" -> "rank 1 +10 ms/step", "1:slowdown=3" -> "rank 1 3x slower",
     " + outside 1:quota=0.33" -> "rank 1 under a quota of 0.33 core (outside)"."""
@@ -63,7 +71,7 @@ def hetero_label(spec: str) -> str:
 
 
 def _outside_label(spec: str) -> str:
-    from ..trainer.straggler import parse_straggler
+    from ..trainer.straggler import PERIOD_US, parse_straggler
 
     try:
         ranks = parse_straggler(spec)
@@ -72,7 +80,8 @@ def _outside_label(spec: str) -> str:
     words = []
     for rank, st in sorted(ranks.items()):
         if st.quota is not None:
-            words.append(f"rank {rank} under a quota of {st.quota:g} core (outside)")
+            period = "" if st.period_us == PERIOD_US else f" per {st.period_us / 1000:g} ms"
+            words.append(f"rank {rank} under a quota of {st.quota:g} core{period} (outside)")
         if st.neighbour is not None:
             words.append(f"rank {rank} beside a {st.neighbour} neighbour (outside)")
         if st.threads is not None:

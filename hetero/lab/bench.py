@@ -337,8 +337,10 @@ def run_outside(suite: Suite, out: Path, res: dict) -> None:
         res["come_and_go"] = outside.come_and_go(suite, out, res["notes"])
     res["outside_summary"] = efficiency.summary(res["outside"])
     res["outside_vs_dp"] = efficiency.affine_vs_dp(res["outside_summary"])
-    if fig := outside.figure(res["come_and_go"], out / "outside_come_and_go.png"):
-        res["figures"] = [*res.get("figures", []), str(fig)]
+    for fig in (outside.figure(res["come_and_go"], out / "outside_come_and_go.png"),
+                outside.staircase(res["outside"], suite.steady_from, out / "outside_quota_steps.png")):
+        if fig:
+            res["figures"] = [*res.get("figures", []), str(fig)]
     res["outside_teardown"] = outside.leftovers(None if group is None else str(group))
 
 
@@ -363,6 +365,8 @@ def outside_section(res: dict) -> list[str]:
             ["last rank", "dp", "dp spread", "affine", "affine - dp", "within dp's spread"],
             [[r["effect"], f"{r['dp']:.3f}", f"{r['dp_spread']:.3f}", f"{r['affine']:.3f}",
               f"{r['affine'] - r['dp']:+.3f}", "yes" if r["within"] else "no"] for r in cmp]) + [""]
+    if any(r["kind"].startswith("quota") for r in res.get("outside", [])):
+        lines += ["![the quota's rank: compute per step against its batch](outside_quota_steps.png)", ""]
     if cg := res.get("come_and_go"):
         lines += [f"## A neighbour that comes and goes (busy process on rank 1's core from step {cg[0]['on_step']} "
                   f"to step {cg[0]['off_step']}; decisions every {cg[0]['every']} steps)", ""]

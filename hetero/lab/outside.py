@@ -215,6 +215,39 @@ def figure(cg: list[dict], path: Path) -> Path | None:
     return path
 
 
+def staircase(rows: list[dict], steady_from: int, path: Path) -> Path | None:
+    """Per quota kind, the last rank's compute time per step against its batch size over the steady epochs of
+    every scheme's runs, beside the first rank's: a CFS quota is a staircase in the batch (a step whose CPU need
+    fits in the period's quota runs at full speed; one sample more waits for the next period), not a line."""
+    quota = [r for r in rows if r["kind"].startswith("quota")]
+    if not quota:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    labels = list(dict.fromkeys(r["effect"] for r in quota))
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.4), dpi=120, sharey=True, squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        for k, r in enumerate(r for r in quota if r["effect"] == label):
+            st = pd.read_csv(Path(r["run_dir"]) / "steps.csv")
+            st = st[(st.epoch >= steady_from) & (st.batch_size > 0)]
+            for rank, colour, name in ((0, "0.6", "rank 0 (a whole core)"), (WORLD - 1, "C3", "rank 1 (the quota)")):
+                mine = st[st["rank"] == rank]
+                ax.scatter(mine.batch_size, 1000 * mine.compute_s, s=6, alpha=0.35, color=colour, lw=0,
+                           label=None if k else name)
+        ax.set(title=label, xlabel="the rank's batch size in the step")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("its compute time in the step (ms)")
+    fig.suptitle("Steady epochs of every scheme's runs", fontsize=10)
+    axes[0][0].legend(loc="upper left", fontsize=8, markerscale=2)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def leftovers(group: str | None) -> dict:
     """What the part left behind: cgroups below the bench's own (or it), and busy neighbours still running."""
     busy = []

@@ -14,9 +14,8 @@ import pandas as pd
 import seaborn as sns
 
 from ..core import safeio
-from ..core.emulator import parse_hetero
 from ..core.partition import SCHEMES
-from .analysis import Frames, time_breakdown
+from .analysis import Frames, slowed_ranks, time_breakdown
 
 SCHEME_HELP = ("Sync-SGD: equal batches on every rank.  DP-SGD: batches re-sized each epoch to each rank's "
                "measured speed.  EDP-SGD: as DP-SGD, gradients weighted by batch size.")
@@ -46,8 +45,9 @@ def _seeds(df: pd.DataFrame) -> str:
 
 
 def _rank_labels(df: pd.DataFrame) -> pd.Series:
-    slowed = {h: set(parse_hetero(h)) for h in df["hetero"].unique()}
-    return pd.Series([f"rank {r}" + (" (slowed)" if r in slowed[h] else "") for r, h in zip(df["rank"], df["hetero"])],
+    slowed = {h: slowed_ranks(h) for h in df["hetero"].unique()}
+    words = {"slowed": " (slowed)", "outside": " (outside straggler)"}
+    return pd.Series([f"rank {r}" + words.get(slowed[h].get(r), "") for r, h in zip(df["rank"], df["hetero"])],
                      index=df.index)
 
 
@@ -122,6 +122,13 @@ def curves(frames: Frames, x: str = "epoch") -> plt.Figure:
     return g.figure
 
 
+def _wrap_titles(g, width: int = 38) -> None:
+    """Panel titles wrapped to the panel (a long heterogeneity label would run into its neighbour's)."""
+    for ax in g.axes.flat:
+        ax.set_title("\n".join(textwrap.fill(line, width, break_on_hyphens=False)
+                               for line in ax.get_title().split("\n")))
+
+
 def shares(frames: Frames) -> plt.Figure:
     """Each rank's share of the global batch per epoch; the right axis reads it as a per-step batch size."""
     df = frames.ranks.copy()
@@ -132,6 +139,7 @@ def shares(frames: Frames) -> plt.Figure:
                     col_order=_order(df), kind="line", errorbar="sd", height=2.6, aspect=1.3, palette="Set1",
                     facet_kws={"margin_titles": False})
     g.set_titles(template="{col_name}\n{row_name}")
+    _wrap_titles(g)
     g.set(ylim=(0, 1))
     g.set_axis_labels("epoch", "share of the global batch")
     g.axes[-1, 0].xaxis.set_major_locator(mticker.MaxNLocator(integer=True))
@@ -159,6 +167,7 @@ def step_hist(frames: Frames) -> plt.Figure:
                     col_order=_order(df), kind="hist", element="step", log_scale=True, bins=40, height=2.6,
                     aspect=1.3, palette="Set1", facet_kws={"sharey": False, "margin_titles": False})
     g.set_titles(template="{col_name}\n{row_name}")
+    _wrap_titles(g)
     g.set_axis_labels("compute time per step (ms, log scale)", "steps")
     for ax in g.axes.flat:
         ax.xaxis.set_major_locator(mticker.LogLocator(base=10, subs=(1, 2, 5)))

@@ -80,12 +80,17 @@ def test_outside_stragglers_are_levels_of_their_own(tmp_path):
     for kind, (sync_s, dp_s) in {"1:quota=0.33": (30, 15), "1:neighbour=busy": (20, 16)}.items():
         for scheme, t in (("sync", sync_s), ("dp", dp_s)):
             _fake_run(tmp_path, f"{scheme}-{kind[2:6]}", scheme, 0, [t / 2, t], [0.5, 0.9], "", kind)
-    t = analysis.summary_table(analysis.load(tmp_path))
+    frames = analysis.load(tmp_path)
+    t = analysis.summary_table(frames)
     speed = {(h, s): v for h, s, v in zip(t["heterogeneity"], t["scheme"], t["speedup_vs_sync"])}
     assert speed == {("rank 1 under a quota of 0.33 core (outside)", "sync"): 1.0,
                      ("rank 1 under a quota of 0.33 core (outside)", "dp"): 2.0,
                      ("rank 1 beside a busy neighbour (outside)", "sync"): 1.0,
                      ("rank 1 beside a busy neighbour (outside)", "dp"): 1.25}
+    from hetero.lab import plots  # the report's figures read the key too (the shares figure once raised on it)
+    fig = plots.shares(frames)
+    assert {t.get_text() for t in fig.legends[0].get_texts()} == {"rank 0", "rank 1 (outside straggler)"}
+    assert analysis.slowed_ranks(analysis.heterogeneity("1:slowdown=2", "0:quota=0.5")) == {1: "slowed", 0: "outside"}
 
 
 def test_the_cost_models_speedup_is_fitted_from_the_settings_own_steps(tmp_path):

@@ -197,8 +197,8 @@ def _make_base(h: Hierarchy) -> None:
         except OSError as e:
             raise StragglerError(_cannot(h.base, e)) from None
     if h.version == 2:
-        for folder in (h.base.parent, h.base):
-            if "cpu" not in _read(folder / "cgroup.subtree_control").split():
+        for folder in (h.base.parent, h.base):  # the parent only where it is a cgroup (base may be the root)
+            if _version(folder) == 2 and "cpu" not in _read(folder / "cgroup.subtree_control").split():
                 _write(folder / "cgroup.subtree_control", "+cpu", "enable the cpu controller")
 
 

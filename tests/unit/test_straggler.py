@@ -51,6 +51,23 @@ def test_a_folder_that_is_no_cgroup_is_refused_never_emulated(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # the probe group is gone again
 
 
+def test_a_cgroup_v2_folder_is_read_as_v2_and_its_controller_enabled_for_the_children(tmp_path):
+    """cgroup v2 (cgroup.controllers, cpu.max): this machine's cpu controller is bound to v1, so the v2 path runs
+    on a planted folder here. It is read as v2, hetero enables +cpu below it, and without the kernel filling the
+    probe's cpu.max it is refused in one line, never emulated."""
+    base = tmp_path / "delegated"
+    base.mkdir()
+    for f, text in (("cgroup.controllers", "cpu io memory\n"), ("cgroup.subtree_control", ""), ("cgroup.procs", "")):
+        (base / f).write_text(text)
+    env = {straggler.ENV_CGROUP: str(base)}
+    assert straggler.hierarchy(env) == straggler.Hierarchy(base, 2)
+    with pytest.raises(straggler.StragglerError, match="has no cpu.max: .* is not a cpu cgroup"):
+        straggler.check_cgroups(env)
+    assert (base / "cgroup.subtree_control").read_text() == "+cpu"  # children get the cpu controller
+    assert not [p for p in base.iterdir() if p.is_dir()]
+    assert not (tmp_path / "cgroup.subtree_control").exists()  # the folder above is no cgroup: left alone
+
+
 def test_sweep_removes_only_the_groups_of_processes_that_are_gone(tmp_path):
     dead = 2 ** 22 + 7  # above the default pid_max: no such process
     for name in (f"r1-p{dead}", f"r0-p{os.getpid()}", "bench-p1", f"x-p{dead}"):

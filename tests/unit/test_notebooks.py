@@ -106,10 +106,13 @@ def test_the_cost_models_speedup_is_fitted_from_the_settings_own_steps(tmp_path)
     t = analysis.summary_table(analysis.load(tmp_path)).set_index("scheme")
     assert t.loc["sync", "predicted_speedup"] == 1.0
     assert t.loc["dp", "predicted_speedup"] == pytest.approx(0.120 / 0.072)
-    assert t.loc["dp", "of_predicted"] == pytest.approx(1.5 / (0.120 / 0.072))
+    assert t.loc["dp", "speedup_vs_sync"] == pytest.approx(2.4 / 1.6)  # the whole run, its first epoch included
+    assert t.loc["dp", "steady_speedup"] == pytest.approx(1.4 / 0.6)  # epochs 2..: sync 2.4 - 1.0, dp 1.6 - 1.0
+    assert t.loc["dp", "of_predicted"] == pytest.approx((1.4 / 0.6) / (0.120 / 0.072))
     text = analysis.format_summary(analysis.summary_table(analysis.load(tmp_path))).set_index("scheme")
     assert text.loc["DP-SGD", "cost model's speedup"] == "1.67\u00d7"
-    assert text.loc["DP-SGD", "measured / model's"] == "0.90"
+    assert text.loc["DP-SGD", "after epoch 1"] == "2.33\u00d7"  # the runs' times are made up, not the steps' sums:
+    assert text.loc["DP-SGD", "after epoch 1 / model's"] == "1.40"  # this checks the arithmetic, not a fit
 
 
 def test_labels_read_as_words():

@@ -243,9 +243,9 @@ def summary_table(frames: Frames, target_top1: float = 0.0) -> pd.DataFrame:
     predicted_speedup = the cost model's (predicted_speedup: 1 for Sync-SGD, the best sizes' for the others), and
     of_predicted = steady_speedup / predicted_speedup; target_top1 <= 0 picks a target per setting (auto_target)."""
     runs = completed(frames)
-    ep = frames.epochs.sort_values(["run", "epoch"])
-    after_first = (ep.groupby("run")["train_time_s"].last() - ep.groupby("run")["train_time_s"].first()).where(
-        ep.groupby("run")["epoch"].nunique() > 1)  # training time of epochs 2.. (NaN for a one-epoch run)
+    per_run = frames.epochs.sort_values(["run", "epoch"]).groupby("run")
+    trained = per_run["train_time_s"]  # training time of epochs 2.. (NaN for a one-epoch run):
+    after_first = (trained.last() - trained.first()).where(per_run["epoch"].nunique() > 1)
     rows = []
     for (model, hetero), setting in runs.groupby(["model", "hetero"], sort=False):
         target = target_top1 if target_top1 > 0 else auto_target(setting)

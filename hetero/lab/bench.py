@@ -331,7 +331,7 @@ def run_outside(suite: Suite, out: Path, res: dict) -> None:
     calib = (calib["fixed_s"], calib["per_sample_s"]) if calib else efficiency.calibrate(suite.global_batch(2))
     res.setdefault("calibration", {"fixed_s": calib[0], "per_sample_s": calib[1]})
     with outside.bench_cgroup() as (group, why):
-        if group is None and any(k.startswith("quota") for k in suite.outside):
+        if group is None and any(map(outside.needs_cgroup, suite.outside)):
             res["notes"].append(f"outside: the quota rows were skipped: {why}")
         res["outside"] = outside.rows(suite, out, calib, group, res["notes"])
         res["come_and_go"] = outside.come_and_go(suite, out, res["notes"])
@@ -365,7 +365,7 @@ def outside_section(res: dict) -> list[str]:
             ["last rank", "dp", "dp spread", "affine", "affine - dp", "within dp's spread"],
             [[r["effect"], f"{r['dp']:.3f}", f"{r['dp_spread']:.3f}", f"{r['affine']:.3f}",
               f"{r['affine'] - r['dp']:+.3f}", "yes" if r["within"] else "no"] for r in cmp]) + [""]
-    if any(r["kind"].startswith("quota") for r in res.get("outside", [])):
+    if any(outside.needs_cgroup(r["kind"]) for r in res.get("outside", [])):
         lines += ["![the quota's rank: compute per step against its batch](outside_quota_steps.png)", ""]
     if cg := res.get("come_and_go"):
         lines += [f"## A neighbour that comes and goes (busy process on rank 1's core from step {cg[0]['on_step']} "

@@ -35,6 +35,11 @@ def kinds(world: int) -> dict[str, tuple[str, str]]:
             "neighbour": ("busy neighbour on its core", f"{last}:neighbour=busy")}
 
 
+def needs_cgroup(kind: str) -> bool:
+    """Whether an outside kind sets a CFS quota (its rows need a writable cpu cgroup; the staircase figure)."""
+    return any(s.quota is not None for s in straggler.parse_straggler(kinds(WORLD)[kind][1]).values())
+
+
 def cores(world: int) -> list[int]:
     """One core per rank (the last ranks share the last core when there are fewer cores)."""
     own = sorted(os.sched_getaffinity(0))
@@ -96,7 +101,7 @@ def rows(suite: Suite, out: Path, calib, group: Path | None, notes: list[str]) -
     found = []
     todo = {k: v for k, v in kinds(WORLD).items() if k in suite.outside}
     if group is None:  # no writable cgroup: no quota rows (the bench notes why)
-        todo = {k: v for k, v in todo.items() if not k.startswith("quota")}
+        todo = {k: v for k, v in todo.items() if not needs_cgroup(k)}
     for repeat in range(suite.repeats):
         for kind, (label, spec) in todo.items():
             batch = []
@@ -219,7 +224,7 @@ def staircase(rows: list[dict], steady_from: int, path: Path) -> Path | None:
     """Per quota kind, the last rank's compute time per step against its batch size over the steady epochs of
     every scheme's runs, beside the first rank's: a CFS quota is a staircase in the batch (a step whose CPU need
     fits in the period's quota runs at full speed; one sample more waits for the next period), not a line."""
-    quota = [r for r in rows if r["kind"].startswith("quota")]
+    quota = [r for r in rows if needs_cgroup(r["kind"])]
     if not quota:
         return None
     import matplotlib
@@ -233,7 +238,8 @@ def staircase(rows: list[dict], steady_from: int, path: Path) -> Path | None:
         for k, r in enumerate(r for r in quota if r["effect"] == label):
             st = pd.read_csv(Path(r["run_dir"]) / "steps.csv")
             st = st[(st.epoch >= steady_from) & (st.batch_size > 0)]
-            for rank, colour, name in ((0, "0.6", "rank 0 (a whole core)"), (WORLD - 1, "C3", "rank 1 (the quota)")):
+            for rank, colour, name in ((0, "0.6", "rank 0 (a whole core)"),
+                                       (WORLD - 1, "C3", f"rank {WORLD - 1} (the quota)")):
                 mine = st[st["rank"] == rank]
                 ax.scatter(mine.batch_size, 1000 * mine.compute_s, s=6, alpha=0.35, color=colour, lw=0,
                            label=None if k else name)

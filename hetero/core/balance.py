@@ -46,7 +46,7 @@ class Balance:
         scheme: "sync" (equal sizes), "dp" (sizes by speed, DDP's mean), "edp" (sizes by speed, b_i/B weights) or
             "affine" (sizes from a fitted fixed + per-sample cost per rank, b_i/B weights).
         rebalance_every: decide every K steps; 0: at each epoch's end only (a loop without epochs needs K > 0).
-        smoothing: weight of the previous estimate in [0, 1) (0: the latest window alone).
+        smoothing: weight of the previous estimate in [0, 1) (0: the new measurements alone).
         deadband: keep the sizes unless the predicted slowest step shrinks by more than this fraction.
         significance: ... and by more than this many standard errors of the measured times.
         min_batch: the smallest batch a rank gets.

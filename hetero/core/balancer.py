@@ -171,17 +171,20 @@ class Balancer:
             kept = np.where(_moved(new, kept[-1])[None, None, :], 0.0, kept)
         pooled = kept.sum(0) + new
         prior = self.per_sample_s
-        _, c = fit_stats(pooled, prior)
-        # The fixed part follows the latest window (it is the part that changes when a delay comes or goes).
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mb, mt = new[1] / new[0], new[2] / new[0]
-            c = np.minimum(c, mt / mb)
-            if prior is not None and self.smoothing > 0:
-                s = self.smoothing
-                old_t = self.fixed_s + prior * mb
+        # Both costs come from every kept window, not the fixed part from the latest one alone: a rank whose cost is
+        # not a line (a CFS quota whose period is as long as a step: a rank that waited at the all-reduce banked
+        # quota, so its next steps look fast at a size where more work would be throttled) reads its mean rate
+        # over the sizes it was timed at, instead of the one window that looked fastest. A speed change is still
+        # followed at once where the size was unchanged (the rank's past is forgotten above), else a decision later.
+        a, c = fit_stats(pooled, prior)
+        if prior is not None and self.smoothing > 0:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                s, mb = self.smoothing, pooled[1] / pooled[0]
+                old_t, mt = self.fixed_s + prior * mb, a + c * mb
                 c = np.where(np.isfinite(prior), s * prior + (1 - s) * c, c)
                 mt = np.where(np.isfinite(old_t), s * old_t + (1 - s) * mt, mt)
-            a = np.maximum(mt - c * mb, 0.0)
+                c = np.minimum(c, mt / mb)
+                a = np.maximum(mt - c * mb, 0.0)
         seen = new[0] > 0
         if prior is not None:  # ranks with no new observations (sat out) keep their last estimate
             a, c = np.where(seen, a, self.fixed_s), np.where(seen, c, prior)

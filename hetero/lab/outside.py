@@ -137,14 +137,19 @@ def come_and_go(suite: Suite, out: Path, notes: list[str]) -> list[dict]:
         events: dict[str, float] = {}
 
         def watch(run_dir: Path, stop: threading.Event) -> None:
+            # started and paused now, as the run starts up: at `on` they only resume, so the neighbour arrives at
+            # once, and its start-up (an interpreter each) never lands in the steps it is measured by
             busy: list = []
             try:
+                for _ in range(suite.come_busy):
+                    busy.append(straggler.start_busy({cores(WORLD)[-1]}, paused=True))
                 while not stop.wait(0.02):
                     done = _epochs_done(run_dir)
-                    if not busy and "on" not in events and done >= on_after:
-                        busy = [straggler.start_busy({cores(WORLD)[-1]}) for _ in range(suite.come_busy)]
+                    if "on" not in events and done >= on_after:
+                        for b in busy:
+                            straggler.resume_busy(b)
                         events["on"] = done
-                    if busy and done >= off_after:
+                    if busy and "on" in events and done >= off_after:
                         for b in busy:
                             straggler.stop_busy(b)
                         busy, events["off"] = [], done

@@ -264,23 +264,39 @@ def check_cgroups(env: dict[str, str] | None = None) -> Hierarchy:
 
 
 # -- a competing process ----------------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG)."""
+def _child_setup(cores: set[int]) -> None:
+    """In the child, before exec: SIGKILL when the parent dies (Linux prctl PR_SET_PDEATHSIG), and pinned to
+    `cores`, so that not even the interpreter's start runs on another rank's core (an error is left for the parent's
+    own pinning to raise)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cores)
 
 
-def start_busy(cores: set[int] | None = None) -> subprocess.Popen:
-    """A busy-loop process pinned to `cores` (default: this process's own); it dies with this process."""
+def start_busy(cores: set[int] | None = None, paused: bool = False) -> subprocess.Popen:
+    """A busy-loop process pinned to `cores` (default: this process's own); it dies with this process. Paused, it
+    starts up and stops itself before its loop, and spins from resume_busy() on: a neighbour that arrives at once."""
     cores = set(cores or os.sched_getaffinity(0))
-    proc = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    code = f"import os\nos.kill(os.getpid(), {int(signal.SIGSTOP)})\n{BUSY}" if paused else BUSY  # BUSY is in both
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, preexec_fn=lambda: _child_setup(cores))
     try:
         os.sched_setaffinity(proc.pid, cores)
-    except OSError:
+        if paused:
+            _, status = os.waitpid(proc.pid, os.WUNTRACED)  # until it has stopped itself (or died)
+            if not os.WIFSTOPPED(status):
+                proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it
+                raise StragglerError(f"the busy neighbour exited {proc.returncode} before it was resumed")
+    except (OSError, StragglerError):
         stop_busy(proc)
         raise
     return proc
+
+
+def resume_busy(proc: subprocess.Popen) -> None:
+    """Let a paused busy process (start_busy(paused=True)) spin."""
+    os.kill(proc.pid, signal.SIGCONT)
 
 
 def stop_busy(proc: subprocess.Popen) -> None:

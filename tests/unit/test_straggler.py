@@ -82,3 +82,38 @@ def test_a_rank_without_a_straggler_sets_nothing_up():
     out = straggler.setup("1:quota=0.5", rank=0)
     assert out.group is None and out.busy is None
     out.close()
+
+
+def _stat(pid: int) -> tuple[str, int, int]:
+    """A process's state, user CPU ticks and the core it last ran on (/proc/PID/stat)."""
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return f[0], int(f[11]), int(f[36])
+
+
+def test_a_paused_neighbour_runs_only_on_its_core_and_spins_from_its_resume(monkeypatch):
+    """The come-and-go neighbour is started paused: it is pinned in the child before its interpreter starts (the
+    parent's own pinning is switched off here, so only that can pin it), takes no CPU until resumed, then spins;
+    stopped, it is reaped and the bench's leftover scan finds none."""
+    import time
+
+    from hetero.lab import outside
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: a process pinned to it cannot be told from one that is not")
+    real, parent, core = os.sched_setaffinity, os.getpid(), max(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: None if os.getpid() == parent else real(pid, cores))
+    p = straggler.start_busy({core}, paused=True)
+    try:
+        state, ticks, last = _stat(p.pid)
+        assert state == "T" and last == core and os.sched_getaffinity(p.pid) == {core}
+        assert p.pid in outside.leftovers(None)["busy_left"]
+        time.sleep(0.2)
+        assert _stat(p.pid)[:2] == ("T", ticks)  # paused: no CPU at all
+        straggler.resume_busy(p)
+        deadline = time.monotonic() + 30  # a hang guard, not a timing assertion
+        while _stat(p.pid)[1] == ticks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _stat(p.pid)[1] > ticks and _stat(p.pid)[2] == core
+    finally:
+        straggler.stop_busy(p)
+    assert p.returncode is not None and p.pid not in outside.leftovers(None)["busy_left"]

@@ -18,6 +18,7 @@ from .partition import (
     fit_stats,
     predicted_step_s,
     proportional_shares,
+    sustained_s,
     window_stats,
 )
 
@@ -41,6 +42,12 @@ class Balancer:
     windows_kept: windows kept for the affine fit; a rank's older windows are dropped when its time jumps at an
       unchanged batch size (its speed changed), so a change is followed at the next decision. The proportional
       rule's held windows (those since the sizes last changed) are dropped the same way.
+    quota_s, period_s: [world] each rank's CFS quota (CPU seconds per period; inf: none), set by the plan from every
+      rank's cgroups (set_quota). A rank under one is timed by the CPU its steps cost (observe's cpu_s), at the rate
+      its quota supplies it: cpu_s x period_s / quota_s, less the step's time beyond its slowest compute
+      (overhead_s), whenever that is longer than its measured compute. The quota's bursts make its measured time a
+      staircase: a step that starts with quota banked runs at full speed and looks fast, at a size the quota
+      cannot sustain. The CPU it was charged can be sustained only at the quota's rate (docs/balancers.md).
     A change that undoes more than half of the one made at the decision before (the sizes swing back) is damped: it
     goes half as far, a quarter on a further reversal, down to MIN_GAIN; one in the same direction doubles the step
     again, up to the full one. A rank whose speed depends on its own batch (a CFS quota: a short step fits in the
@@ -63,6 +70,9 @@ class Balancer:
     sizes: np.ndarray = field(default=None)
     fixed_s: np.ndarray = field(default=None)
     per_sample_s: np.ndarray = field(default=None)
+    quota_s: np.ndarray = field(default=None)
+    period_s: np.ndarray = field(default=None)
+    overhead_s: float = 0.0  # the step's time beyond its slowest compute (the all-reduce, the loop), measured
     decisions: int = 0
     _pending: list = field(default_factory=list, repr=False)   # [N_STATS, world] per window since the decision
     _windows: np.ndarray = field(default=None, repr=False)     # [k, N_STATS, world] the kept windows
@@ -109,11 +119,22 @@ class Balancer:
                                                   self.max_batch, self.granularity) for s in (sign, -sign))
         return self._probe_sizes[step % 2]
 
-    def observe(self, batch, compute_s) -> None:
-        """Record steps: batch and compute_s are [steps, world] arrays of sizes and local compute times (s)."""
+    def set_quota(self, quota_s, period_s) -> None:
+        """Every rank's CFS quota and its period (s; inf or NaN: none), as the plan gathered them."""
+        q, p = np.asarray(quota_s, float), np.asarray(period_s, float)
+        on = np.isfinite(q) & np.isfinite(p) & (q > 0) & (p > 0)
+        self.quota_s, self.period_s = (np.where(on, q, np.inf), np.where(on, p, np.inf)) if on.any() else (None, None)
+
+    def observe(self, batch, compute_s, cpu_s=None) -> None:
+        """Record steps: batch and compute_s are [steps, world] arrays of sizes and local compute times (s); cpu_s,
+        where measured, the CPU seconds each rank's process spent in each step (what a CFS quota charges)."""
         batch, compute_s = np.atleast_2d(batch), np.atleast_2d(compute_s)
         if len(batch):
-            self._pending.append(window_stats(batch, compute_s))
+            self._pending.append(window_stats(batch, self.sustained_s(compute_s, cpu_s)))
+
+    def sustained_s(self, compute_s, cpu_s=None) -> np.ndarray:
+        """[steps, world] the times the rules decide from (partition.sustained_s with this balancer's quotas)."""
+        return sustained_s(compute_s, cpu_s, self.quota_s, self.period_s, self.overhead_s)
 
     def decide(self) -> bool:
         """Re-decide shares and batch sizes from the observations since the last decision; True if they changed."""
@@ -198,7 +219,8 @@ class Balancer:
                 "per_sample_s": tolist(self.per_sample_s), "decisions": self.decisions,
                 "pending": [p.tolist() for p in self._pending], "windows": self._windows.tolist(),
                 "held": [h.tolist() for h in self._held], "gain": self._gain,
-                "last_move": tolist(self._last_move), "changed_at": self._changed_at}
+                "last_move": tolist(self._last_move), "changed_at": self._changed_at,
+                "quota_s": _finite(self.quota_s), "period_s": _finite(self.period_s), "overhead_s": self.overhead_s}
 
     def load_state_dict(self, d: dict) -> None:
         self.shares, self.sizes = np.asarray(d["shares"], float), np.asarray(d["sizes"], np.int64)
@@ -212,6 +234,10 @@ class Balancer:
         self._changed_at = int(d.get("changed_at", -1))
         w = np.asarray(d.get("windows", []), float)
         self._windows = w.reshape(-1, N_STATS, self.world) if w.size else np.zeros((0, N_STATS, self.world))
+        self.quota_s, self.period_s = (None if d.get(k) is None else
+                                       np.array([np.inf if v is None else v for v in d[k]], float)
+                                       for k in ("quota_s", "period_s"))
+        self.overhead_s = float(d.get("overhead_s", 0.0))
         self._probe_sizes = None
         # resumed under lower limits (a GPU probed again): the same shares, new bounds
         if np.any(self.sizes > _as_bounds(self.world, self.max_batch, np.inf)):
@@ -244,6 +270,7 @@ class Balancer:
         self._pending, self._held, self._probe_sizes = [], [], None
         self._gain, self._last_move, self._changed_at = 1.0, None, -1  # another world: no last move to reverse
         self._windows = np.zeros((0, N_STATS, self.world))
+        self.quota_s = self.period_s = None  # this world's own: gathered again at the next decision
         if self.rule == "affine" and self.fixed_s is not None and np.all(np.isfinite(self.fixed_s)):
             self.sizes = affine_batch_sizes(self.fixed_s, self.per_sample_s, self.global_batch, self.min_batch,
                                             self.max_batch, self.sit_out, self.granularity)
@@ -272,6 +299,11 @@ def noise_s(stats: np.ndarray) -> float:
         resid = np.maximum(vtt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / (n - 1 - (vbb > 0))
         se = np.where(n > 2, np.sqrt(resid / n), 0.0)
     return float(np.sqrt(2) * np.nanmax(se, initial=0.0))
+
+
+def _finite(x) -> list | None:
+    """Plain data with None for inf (a rank without a quota): JSON has no infinity."""
+    return None if x is None else [float(v) if np.isfinite(v) else None for v in np.asarray(x, float)]
 
 
 def _fill_unknown(x: np.ndarray) -> np.ndarray:

@@ -22,6 +22,8 @@ class StepClock:
         self.marks: dict[str, float | torch.cuda.Event] = {}
         self.device_waits = 0  # wait_device calls: the host waited for this rank's queued GPU work
         self.held_s = 0.0  # s in collectives before `ready` (FSDP2's per-module ones): waiting, moved out of compute
+        self.cpu: dict[str, float] = {}  # this process's CPU time (all its threads) at start and end
+        self.started = float("nan")
 
     def _record(self):
         ev = self._event()
@@ -30,6 +32,15 @@ class StepClock:
 
     def mark(self, name: str) -> None:
         self.marks[name] = self._record() if self.cuda else time.perf_counter()
+        if name in ("start", "end"):
+            self.cpu[name] = time.process_time()
+        if name == "start":
+            self.started = time.perf_counter()  # the host's clock at the start, for the pace of steps
+
+    def cpu_s(self) -> float:
+        """CPU seconds this process spent from start to end, every thread (the all-reduce's too): what a CFS quota
+        charges for the step; NaN before the end."""
+        return self.cpu["end"] - self.cpu["start"] if "end" in self.cpu and "start" in self.cpu else float("nan")
 
     def wait_device(self):
         """Block the host until the GPU work queued so far on the compute stream is done; returns that event (None

@@ -276,3 +276,26 @@ def affine_batch_sizes(fixed_s, per_sample_s, global_batch: int, min_batch=1, ma
             return affine_batch_sizes(a, c, global_batch, min_batch, max_batch, sit_out=False)
         raise RuntimeError(f"no exact split of {global_batch} found (a bug): {b.tolist()}")
     return b.astype(np.int64)
+
+
+# -- a CFS quota: its bursts, and the rate it sustains ---------------------------------------------------------
+
+def sustained_s(compute_s, cpu_s, quota_s, period_s, overhead_s: float = 0.0) -> np.ndarray:
+    """[steps, world] step times as a CFS quota sustains them: a rank under a quota (quota_s of CPU per period_s;
+    inf or None: none) takes at least cpu_s x period_s / quota_s per step, less overhead_s (the step's time beyond
+    its slowest compute, which the quota'd rank spends on the same clock), whatever its compute took.
+
+    Under a quota a rank runs at full speed until the period's quota is spent, then waits for the next period: a
+    step that starts with quota banked (the rank waited at the last all-reduce) looks fast, at a size the quota
+    cannot sustain step after step. The CPU the step was charged is what the quota bounds: over many steps the rank
+    gets quota_s / period_s of a core, so its steps cost their CPU at that rate. Ranks without a quota, and steps
+    whose CPU was not measured (NaN), keep their measured times.
+    """
+    compute_s = np.atleast_2d(np.asarray(compute_s, float))
+    if cpu_s is None or quota_s is None or period_s is None:
+        return compute_s
+    q, p = np.asarray(quota_s, float), np.asarray(period_s, float)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        fluid = np.atleast_2d(np.asarray(cpu_s, float)) * (p / q) - overhead_s
+        on = np.isfinite(q) & np.isfinite(p) & (q > 0) & np.isfinite(fluid)
+        return np.where(on, np.fmax(compute_s, fluid), compute_s)

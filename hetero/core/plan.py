@@ -20,6 +20,7 @@ import torch
 
 from .agree import HeteroError, gather_rows, guarded, remap_identities
 from .balancer import Balancer
+from .cpuquota import own_quota
 from .partition import check_feasible
 from .records import Decision, StepRecord
 from .rules import micro_batch_too_big, whole
@@ -61,6 +62,7 @@ class Plan:
                                  granularity=max(settings.micro_batch, 1), smoothing=settings.smoothing,
                                  deadband=settings.deadband, significance=settings.significance,
                                  sit_out=settings.sit_out)
+        self.quota = own_quota()  # this rank's CFS quota (s of CPU per period s; inf: none), gathered at decisions
         self.replayed: dict[int, np.ndarray] | None = None
         self.n_samples: int | None = None
         self.steps_per_epoch = 0  # 0: no epochs (a loop without batch_sampler)
@@ -161,7 +163,8 @@ class Plan:
         """This epoch's finished steps so far, in order (reads the clocks: on CUDA, waits for their events)."""
         for s in self._unread:
             compute, wait = s.clock.read()
-            self.records.append(StepRecord(self.at.epoch, s.index, s.sizes, compute, wait, s.delay_s))
+            self.records.append(StepRecord(self.at.epoch, s.index, s.sizes, compute, wait, s.delay_s, s.clock.cpu_s(),
+                                          s.clock.started))
         self._unread.clear()
         return self.records
 
@@ -169,13 +172,21 @@ class Plan:
     def decide(self, step: int, coll: torch.device) -> Decision:
         """Gather every rank's compute times of the window and its sampler position, run the pure balancer."""
         window = self.epoch_records()[self._window:]
-        own = torch.tensor([*(r.compute_s for r in window), float(self.handed)], dtype=torch.float64)
+        n = len(window)
+        # per rank: [compute_s x n, cpu_s x n, quota_s, period_s, mean step interval, furthest sampler position]
+        own = torch.tensor([*(r.compute_s for r in window), *(r.cpu_s for r in window), *self.quota,
+                            self._interval(window), float(self.handed)], dtype=torch.float64)
         rows = (guarded(gather_rows, own, coll) if self.world > 1 else own[None]).numpy()
         self._window = len(self.records)
-        compute, furthest = rows[:, :-1].T, int(rows[:, -1].max())  # [steps, world], furthest sampler
+        compute, cpu = rows[:, :n].T, rows[:, n:2 * n].T  # [steps, world] each
+        furthest = int(rows[:, -1].max())  # the furthest sampler
         pos = self.position(self.at.epoch, step)
         at = self._effective(pos, furthest)
-        self.balancer.observe(np.stack([r.sizes for r in window]), compute)
+        self.balancer.set_quota(rows[:, 2 * n], rows[:, 2 * n + 1])
+        paces = rows[:, 2 * n + 2][np.isfinite(rows[:, 2 * n + 2])]
+        if len(paces) and n:  # the steps' pace beyond their slowest compute: the all-reduce, the loop's own time
+            self.balancer.overhead_s = max(float(np.median(paces) - compute.max(1).mean()), 0.0)
+        self.balancer.observe(np.stack([r.sizes for r in window]), compute, cpu)
         self.balancer.decide()
         self.regimes = [r for i, r in enumerate(self.regimes)  # regimes no position after pos can use go
                         if i + 1 == len(self.regimes) or self.regimes[i + 1][0] > pos]
@@ -184,6 +195,13 @@ class Plan:
                      compute.mean(0).tolist())
         self.decisions.append(d)
         return d
+
+    def _interval(self, window) -> float:
+        """This rank's mean time (s) from one step's start to the next's over the window (the epoch's step before
+        it included); NaN with fewer than two steps."""
+        starts = [r.started_s for r in self.records[max(self._window - 1, 0):]] if window else []
+        gaps = np.diff(starts)
+        return float(np.mean(gaps)) if len(gaps) else float("nan")
 
     def _effective(self, pos: int, furthest: int) -> int:
         """Where a decision made after the step at pos takes effect; furthest: the ranks' furthest `handed`.
@@ -204,10 +222,11 @@ class Plan:
         window = self.epoch_records()[self._window:]
         if not window:  # the same on every rank: the ranks end steps in lockstep
             return
-        own = torch.tensor([r.compute_s for r in window], dtype=torch.float64)
+        n = len(window)
+        own = torch.tensor([*(r.compute_s for r in window), *(r.cpu_s for r in window)], dtype=torch.float64)
         rows = (guarded(gather_rows, own, coll) if self.world > 1 else own[None]).numpy()
         self._window = len(self.records)
-        self.balancer.observe(np.stack([r.sizes for r in window]), rows.T)
+        self.balancer.observe(np.stack([r.sizes for r in window]), rows[:, :n].T, rows[:, n:].T)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self, coll: torch.device) -> dict:

@@ -15,6 +15,8 @@ class StepRecord:
     compute_s: float     # own work (all k_i micro-batches): start to gradients ready, plus backward's return to the end
     wait_s: float        # the last all-reduce, including waiting for slower ranks
     delay_s: float       # the emulated extra time spent in this step (part of compute_s)
+    cpu_s: float = float("nan")  # this process's CPU seconds in the step, every thread (what a CFS quota charges)
+    started_s: float = float("nan")  # the host's perf_counter at the step's start (steps' pace: their differences)
 
 
 @dataclass(frozen=True)

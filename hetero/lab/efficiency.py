@@ -83,14 +83,17 @@ def effects(suite: Suite, world: int, calib: tuple[float, float]) -> list[tuple[
 
 
 def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from: int, hetero: str = "",
-               cores=None, micro_batch: int = 0) -> dict:
+               cores=None, micro_batch: int = 0, quota: dict[int, tuple[float, float]] | None = None) -> dict:
     """One run's cost model from its steps.csv (steady-state steps; docs/benchmarks.md). Rank i's CPU work for a
     batch b is s_i x (a + c x b) core-seconds; ranks sharing a core (`cores`, a label per rank; None: a core each)
     share it fairly (hetero.lab.coupled), and a rank's step ends at F_i x its compute wall + d_i: F_i its emulated
     slowdown (from `hetero`), d_i its mean measured sleep beyond that. s_i is fitted from the measured compute walls
     (compute_s - delay_s) with the sharing undone. Gives the ideal and equal-share step times, the all-reduce time,
     the jitter, and the balancer's own misallocation. With micro-batches of m a rank runs b/m of them, each
-    a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches."""
+    a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches. quota: {rank: (quota_s, period_s)} of
+    ranks under a CFS quota: such a rank's step is fitted at the rate its quota sustains the CPU it was charged
+    (partition.sustained_s, less the all-reduce), not at its measured compute, which the quota's bursts make a
+    staircase (docs/benchmarks.md)."""
     a, c = calib
     unit = max(micro_batch, 1)
     if micro_batch:
@@ -103,6 +106,10 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     per_step = steady.groupby(["epoch", "step"])
     grid = lambda col: steady.pivot_table(index=["epoch", "step"], columns="rank", values=col).to_numpy()  # noqa
     sizes, compute, slept = grid("batch_size"), grid("compute_s"), grid("delay_s")
+    allreduce_s = float(per_step.wait_s.min().mean())
+    if quota:  # the quota'd ranks' steps at the rate their quota sustains their CPU, as the balancer reads them
+        steady = noisefit.sustained_steps(steady, quota, allreduce_s)
+        compute = grid("compute_s")
     walls = compute - slept
     on = sizes > 0
     scale = fit_scale(walls, np.where(on, a + c * sizes, 0.0), cores)
@@ -115,7 +122,7 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
             "factor": factor.tolist(), "delay_s": delay.tolist(), "cores": cores,
             "ideal_sizes": best.tolist(), "ideal_step_s": ideal_s, "sync_step_s": float(T(equal)),
-            "allreduce_s": float(per_step.wait_s.min().mean()),
+            "allreduce_s": allreduce_s, "quota": {str(r): list(v) for r, v in (quota or {}).items()},
             # per-step variation no per-rank share removes: mean of the per-step slowest minus slowest mean
             "jitter_s": float(compute.max(1).mean() - compute.mean(0).max()),
             # the balancer's part: the model's slowest step at the sizes it chose over T*, and how often they moved
@@ -148,7 +155,7 @@ def measure_row(suite: Suite, out: Path, calib, world: int, effect: tuple[str, s
 
 
 def read_row(suite: Suite, d: Path, calib, world: int, effect: tuple[str, str, str], scheme: str,
-             repeat: int) -> dict:
+             repeat: int, quota: dict[int, tuple[float, float]] | None = None) -> dict:
     """A finished run folder's row (measure_row's figures; also for re-reading a bench whose report was lost)."""
     import pandas as pd
 
@@ -157,7 +164,8 @@ def read_row(suite: Suite, d: Path, calib, world: int, effect: tuple[str, str, s
     pinned = json.loads((d / "config.json").read_text())["config"].get("affinity") or ""
     one = pinned.split(",")  # one core per rank: ranks pinned to the same core are coupled (a core set is not)
     cores = one if len(one) == world and all(x.strip().isdigit() for x in one) else None
-    m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, hetero, cores, suite.micro_batch)
+    m = cost_model(steps, calib, suite.global_batch(world), suite.steady_from, hetero, cores, suite.micro_batch,
+                   quota)
     steady = steady_epochs(d, suite.steady_from)
     n = int(steady[0]["steps"])
     ideal_s, bound_s = n * (m["ideal_step_s"] + m["allreduce_s"]), n * (m["sync_step_s"] + m["allreduce_s"])

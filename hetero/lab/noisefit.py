@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..core.partition import sustained_s
 from .coupled import coupled_batch_sizes, finish_s, shared_walls
 from .simulator import Scenario, simulate
 
@@ -97,6 +98,19 @@ def fit_jitter(jitter: np.ndarray, epoch: np.ndarray) -> NoiseFit:
     return NoiseFit(jitter, epoch, sd, skew, phi, np.atleast_2d(corr))
 
 
+def sustained_steps(steps: pd.DataFrame, quota: dict, allreduce_s: float) -> pd.DataFrame:
+    """steps.csv with the compute_s of each rank under a CFS quota ({rank: (quota_s, period_s)}) at the rate the quota
+    sustains the CPU it was charged (hetero.core.partition.sustained_s, less the all-reduce): the step model the
+    bench's ideal, its misallocation and the replay use for such a rank. Unchanged without a cpu_s column."""
+    if not quota or "cpu_s" not in steps:
+        return steps
+    q = steps["rank"].map(lambda r: float(quota.get(r, quota.get(str(r), (np.inf, np.inf)))[0]))
+    p = steps["rank"].map(lambda r: float(quota.get(r, quota.get(str(r), (np.inf, np.inf)))[1]))
+    compute = sustained_s(steps.compute_s.to_numpy()[None], steps.cpu_s.to_numpy()[None], q.to_numpy(),
+                          p.to_numpy(), allreduce_s)[0]
+    return steps.assign(compute_s=compute)
+
+
 def fit_steps(steps: pd.DataFrame, fixed_s, per_sample_s, steady_from: int = 1, cores=None) -> NoiseFit:
     """The jitter of a run's steps.csv (epochs >= steady_from): each rank's measured compute wall (compute_s less the
     emulator's sleep, delay_s) over its expected one, fixed_s + per_sample_s x b shared with its core-mates (cores:
@@ -173,6 +187,7 @@ def replay(run_dir: Path, cost_model: dict, steady_from: int, *, seeds: int = 64
     run_dir = Path(run_dir)
     cfg = json.loads((run_dir / "config.json").read_text())["config"]
     steps, epochs = pd.read_csv(run_dir / "steps.csv"), pd.read_csv(run_dir / "epochs.csv")
+    steps = sustained_steps(steps, cost_model.get("quota") or {}, cost_model["allreduce_s"])
     fit = noise or fit_steps(steps, cost_model["fixed_s"], cost_model["per_sample_s"], steady_from,
                              cost_model.get("cores"))
     n_steps = int(epochs.steps.iloc[-1])

@@ -47,6 +47,7 @@ class EpochResult:
     compute_s: np.ndarray
     wait_s: np.ndarray
     delay_s: np.ndarray
+    cpu_s: np.ndarray    # the CPU each rank's process was charged per step (every thread)
     train_s: float       # wall time of the epoch's steps on this rank
     train_loss: float    # sample-weighted mean over every rank
     train_top1: float
@@ -62,30 +63,32 @@ class Segment:
     compute_s: np.ndarray
     wait_s: np.ndarray
     delay_s: np.ndarray
+    cpu_s: np.ndarray
 
     def plain(self) -> dict:
-        return {"first_step": self.first_step, "sizes": self.sizes.tolist(), "compute_s": self.compute_s.tolist(),
-                "wait_s": self.wait_s.tolist(), "delay_s": self.delay_s.tolist()}
+        return {"first_step": self.first_step, "sizes": self.sizes.tolist(),
+                **{k: getattr(self, k).tolist() for k in TIMES}}
 
     @staticmethod
     def of(d: dict) -> Segment:
         sizes = np.asarray(d["sizes"], np.int64).reshape(len(d["sizes"]), -1)
-        times = [np.asarray(d[k], float).reshape(sizes.shape[1], len(sizes)) for k in ("compute_s", "wait_s",
-                                                                                        "delay_s")]
+        nan = np.full((sizes.shape[1], len(sizes)), np.nan).tolist()  # a checkpoint from before cpu_s was kept
+        times = [np.asarray(d.get(k, nan), float).reshape(sizes.shape[1], len(sizes)) for k in TIMES]
         return Segment(int(d["first_step"]), sizes, *times)
 
     def rows(self, epoch: int) -> list[dict]:
         return [{"epoch": epoch, "step": self.first_step + s, "rank": i, "batch_size": int(self.sizes[s, i]),
-                 "compute_s": float(self.compute_s[i, s]), "wait_s": float(self.wait_s[i, s]),
-                 "delay_s": float(self.delay_s[i, s])}
+                 **{k: float(getattr(self, k)[i, s]) for k in TIMES}}
                 for s in range(len(self.sizes)) for i in range(self.sizes.shape[1])]
+
+
+TIMES = ("compute_s", "wait_s", "delay_s", "cpu_s")  # a step's times per rank, as steps.csv has them
 
 
 def joined(segments: list[Segment]) -> Segment:
     """Consecutive segments of one world as one."""
     return Segment(segments[0].first_step, np.concatenate([g.sizes for g in segments]),
-                   *(np.concatenate([getattr(g, k) for g in segments], axis=1) for k in ("compute_s", "wait_s",
-                                                                                         "delay_s")))
+                   *(np.concatenate([getattr(g, k) for g in segments], axis=1) for k in TIMES))
 
 
 @dataclass
@@ -298,8 +301,8 @@ class Trainer:
         first = max((i for i, g in enumerate(segments) if g.sizes.shape[1] != w.size), default=-1) + 1
         earlier = [row for g in segments[:first] for row in g.rows(epoch)]  # the epoch's steps in another world
         g = joined(segments[first:]) if segments[first:] else Segment(start, np.zeros((0, w.size), np.int64),
-                                                          *(np.zeros((w.size, 0)),) * 3)
-        return EpochResult(g.sizes, g.compute_s, g.wait_s, g.delay_s, train_s, float(totals[0] / totals[2]),
+                                                          *(np.zeros((w.size, 0)),) * len(TIMES))
+        return EpochResult(g.sizes, g.compute_s, g.wait_s, g.delay_s, g.cpu_s, train_s, float(totals[0] / totals[2]),
                            float(totals[1] / totals[2]), g.first_step, earlier)
 
     def _check_finite(self, epoch: int, first_bad: torch.Tensor) -> None:
@@ -314,8 +317,9 @@ class Trainer:
         """Collective: the epoch's steps so far as segments (the saved ones, then this world's since `start`), the
         metric totals [loss sum, correct, samples] over every rank, and the epoch's training seconds so far."""
         w, recs = self.world, [r for r in self.balance.epoch_records() if r.step >= start]
-        own = torch.tensor([[r.compute_s, r.wait_s, r.delay_s] for r in recs], dtype=torch.float64).reshape(-1, 3).T
-        per_rank = gather_rows(own, w.coll_device).numpy()  # [world, 3, steps]
+        own = torch.tensor([[getattr(r, k) for k in TIMES] for r in recs],
+                           dtype=torch.float64).reshape(-1, len(TIMES)).T
+        per_rank = gather_rows(own, w.coll_device).numpy()  # [world, len(TIMES), steps]
         sizes = np.stack([r.sizes for r in recs]) if recs else np.zeros((0, w.size), np.int64)
         count = torch.tensor([float(sizes[:, w.rank].sum())], dtype=torch.float64, device=w.device)
         totals = sum_all(torch.cat([sums, count]), w.coll_device).numpy()
@@ -323,7 +327,7 @@ class Trainer:
         if part:
             totals = totals + np.asarray(part["totals"], float)
         if len(sizes):
-            segments.append(Segment(start, sizes, per_rank[:, 0], per_rank[:, 1], per_rank[:, 2]))
+            segments.append(Segment(start, sizes, *(per_rank[:, j] for j in range(len(TIMES)))))
         return segments, totals, (part["train_s"] if part else 0.0) + time.perf_counter() - t0
 
     def _step_checkpoint(self, epoch: int, step: int, start: int, part: dict | None, sums: torch.Tensor,
@@ -402,8 +406,7 @@ class Trainer:
                   "steps": len(sizes), "samples": int(sizes[:, i].sum()), "compute_s": float(r.compute_s[i].sum()),
                   "wait_s": float(r.wait_s[i].sum()), "delay_s": float(r.delay_s[i].sum())} for i in range(n)]
         steps = r.earlier + [{"epoch": epoch, "step": r.first_step + s, "rank": i, "batch_size": int(sizes[s, i]),
-                  "compute_s": float(r.compute_s[i, s]), "wait_s": float(r.wait_s[i, s]),
-                  "delay_s": float(r.delay_s[i, s])} for s in range(len(sizes)) for i in range(n)]
+                  **{k: float(getattr(r, k)[i, s]) for k in TIMES}} for s in range(len(sizes)) for i in range(n)]
         line = asdict(row)
         del line["shares"]  # epochs.csv has one column per scalar; the shares are in ranks.csv
         self.folder.append("epochs", [line])

@@ -106,8 +106,9 @@ def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
         plan = bal.engine.plan
         sizes = torch.tensor(np.stack([r.sizes for r in plan.records[plan._window:]]), dtype=torch.float64)
-        handed = row[-1:]
-        return torch.stack([torch.cat([1e-3 * sizes[:, 0], handed]), torch.cat([3e-3 * sizes[:, 1], handed])])
+        tail = row[-4:]  # no quota, the pace, the sampler's position: as this rank measured them
+        return torch.stack([torch.cat([1e-3 * sizes[:, 0], 1e-3 * sizes[:, 0], tail]),
+                            torch.cat([3e-3 * sizes[:, 1], 3e-3 * sizes[:, 1], tail])])
     monkeypatch.setattr(hetero.core.plan, "gather_rows", fake_gather)
     for epoch in range(2):
         bal.set_epoch(epoch)

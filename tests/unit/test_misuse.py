@@ -30,9 +30,9 @@ def test_a_peek_at_the_loader_names_the_second_iteration(monkeypatch):
 def test_a_loop_without_epochs_decides_every_k_steps(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(hetero.core.plan, "gather_rows", lambda row, dev: torch.stack(
-        [torch.cat([torch.full((len(row) - 1,), 1e-3, dtype=torch.float64), row[-1:]]),
-         torch.cat([torch.full((len(row) - 1,), 3e-3, dtype=torch.float64), row[-1:]])]))
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", lambda row, dev: torch.stack(  # times x 2, then the tail
+        [torch.cat([torch.full((len(row) - 4,), 1e-3, dtype=torch.float64), row[-4:]]),
+         torch.cat([torch.full((len(row) - 4,), 3e-3, dtype=torch.float64), row[-4:]])]))
     bal = hetero.Balance(global_batch=32, scheme="dp", rebalance_every=5)
     for _ in range(50):  # no batch_sampler, no set_epoch: one endless epoch
         with bal.step():

@@ -109,3 +109,26 @@ def test_a_read_only_cgroup_is_refused_in_one_line(group, tmp_path):
     assert lines[0].startswith("hetero: error: --straggler '0:quota=0.5': cannot create the cgroup") and \
         "Read-only file system" in lines[0]
     assert not [p for p in ro.iterdir() if p.is_dir()] and not (tmp_path / "run").exists()
+
+
+READ = """import sys
+from hetero.core.cpuquota import own_quota
+from hetero.trainer import straggler
+out = straggler.setup(sys.argv[1], rank=1)
+print(*own_quota(), flush=True)
+out.close()
+print(*own_quota(), flush=True)
+"""
+
+
+def test_a_rank_reads_the_quota_it_runs_under_and_none_after(group):
+    """What the balancer gathers from each rank (hetero.core.cpuquota): the tightest CFS quota over its cgroups."""
+    env = {**clean_env(), straggler.ENV_CGROUP: str(group)}
+    out = subprocess.run([sys.executable, "-c", READ, "1:quota=0.25@50ms"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    inside, after = ([float(x) for x in line.split()] for line in out.stdout.splitlines())
+    assert inside == pytest.approx([0.0125, 0.05]) and after == [float("inf")] * 2
+    off = subprocess.run([sys.executable, "-c", READ, "1:quota=0.25@50ms"], env={**env, "HETERO_CPU_QUOTA": "off"},
+                         capture_output=True, text=True, timeout=60)
+    assert off.stdout.split()[:2] == ["inf", "inf"]  # switched off: the balancer decides from times alone

@@ -184,3 +184,30 @@ def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
     recs = bal.epoch_records()
     assert slept == [5.0] and [r.delay_s for r in recs] == [0.0, 5.0]   # only the step it computed is delayed
     assert all(r.compute_s >= 0 and r.wait_s >= 0 for r in recs)
+
+
+@pytest.mark.parametrize("quota", [True, False])
+def test_a_rank_under_a_cfs_quota_is_decided_on_at_the_rate_its_quota_sustains(monkeypatch, quota):
+    """The gathered row carries each rank's quota and the CPU of its steps (one process plays rank 0 of two; the
+    gather is faked): rank 1 computes as fast as rank 0 (its steps start with quota banked), but its CPU at a third
+    of a core takes 3x as long. With the quota in its row its share falls to a quarter; without, it stays a half."""
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme="dp", rebalance_every=4)
+    sampler = bal.batch_sampler(320)
+
+    def fake_gather(row, device):  # [compute x n, cpu x n, quota_s, period_s, pace, handed] per rank
+        plan = bal.engine.plan
+        sizes = torch.tensor(np.stack([r.sizes for r in plan.records[plan._window:]]), dtype=torch.float64)
+        t0, t1 = 1e-3 * sizes[:, 0], 1e-3 * sizes[:, 1]
+        q = torch.tensor([0.1 / 3, 0.1] if quota else [float("inf")] * 2, dtype=torch.float64)
+        none = torch.tensor([float("inf")] * 2, dtype=torch.float64)
+        return torch.stack([torch.cat([t0, t0, none, row[-2:]]), torch.cat([t1, t1, q, row[-2:]])])
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", fake_gather)
+    bal.set_epoch(0)
+    for batch in sampler:
+        with bal.step(batch_size=len(batch)):
+            pass
+    state = bal.engine.plan.balancer.state_dict()
+    if quota:
+        assert bal.last_sizes == [24, 8] and state["quota_s"] == [None, pytest.approx(0.1 / 3)]
+    else:
+        assert bal.last_sizes == [16, 16] and state["quota_s"] is None

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from hetero.core.balancer import Balancer
-from hetero.core.partition import batch_sizes, check_feasible, proportional_shares
+from hetero.core.partition import batch_sizes, check_feasible, proportional_shares, sustained_s
 
 
 def test_batch_sizes_random_properties():
@@ -81,3 +81,16 @@ def test_balancer_resumed_under_lower_limits_keeps_them():
     b = Balancer("proportional", 2, 256, max_batch=[256, 150])  # e.g. a GPU probed again with less memory free
     b.load_state_dict(a.state_dict())
     assert b.sizes.tolist() == [106, 150] and b.shares == pytest.approx(a.shares)
+
+
+def test_a_quota_sustains_a_ranks_cpu_at_its_rate_and_no_faster():
+    """sustained_s: a rank under a quota takes at least its step's CPU x period / quota, less the step's rest; a
+    step that took longer keeps its time; a rank without a quota, or a step whose CPU was not measured, as measured."""
+    compute = np.array([[0.050, 0.020], [0.050, 0.090], [0.050, 0.020]])
+    cpu = np.array([[0.050, 0.018], [0.050, 0.018], [0.050, np.nan]])
+    got = sustained_s(compute, cpu, [np.inf, 0.033], [np.inf, 0.1], overhead_s=0.004)
+    fluid = 0.018 * 0.1 / 0.033 - 0.004  # 50.5 ms: the quota's third of a core, less the all-reduce
+    assert got[:, 0].tolist() == compute[:, 0].tolist()
+    assert got[:, 1] == pytest.approx([fluid, 0.090, 0.020])
+    assert (sustained_s(compute, None, [np.inf, 0.033], [np.inf, 0.1]) == compute).all()
+    assert (sustained_s(compute, cpu, None, None) == compute).all()

@@ -213,11 +213,21 @@ def predicted_speedup(frames: Frames, runs: pd.DataFrame) -> float:
     rank's step time fitted as fixed + per-sample x batch (hetero.core.partition.fit_affine, stalls clipped) from
     the steps of every one of these runs after its first epoch, pooled (the schemes' different sizes give the
     slope), then (slowest rank at equal sizes + all-reduce) / (slowest rank at the model's best sizes +
-    all-reduce), the all-reduce being the median over steps of the least wait of any rank. NaN without steps or
-    with a changing world."""
+    all-reduce), the all-reduce being the median over steps of the least wait of any rank. A rank under a CFS quota
+    (--straggler) is fitted at the rate its quota sustains its steps' CPU, as the balancer and the bench read it
+    (noisefit.sustained_steps). NaN without steps or with a changing world."""
+    from ..trainer.straggler import parse_straggler
+    from .noisefit import sustained_steps
+
     st = frames.steps[frames.steps["run"].isin(runs["run"])]
     if len(st) and st["epoch"].max() > 1:
         st = st[st["epoch"] > 1]
+    keys = runs["hetero"].dropna().unique()  # one setting: one heterogeneity key (hetero + outside straggler)
+    outside = str(keys[0]).split(OUTSIDE, 1)[1] if len(keys) == 1 and OUTSIDE in str(keys[0]) else ""
+    quota = {r: (q.quota * q.period_us / 1e6, q.period_us / 1e6)
+             for r, q in parse_straggler(outside).items() if q.quota is not None}
+    if quota and len(st):
+        st = sustained_steps(st, quota, float(st.groupby(["run", "epoch", "step"])["wait_s"].min().mean()))
     worlds = runs["world_size"].dropna().unique()
     if not len(st) or len(worlds) != 1 or st.groupby("run")["rank"].nunique().ne(int(worlds[0])).any():
         return float("nan")

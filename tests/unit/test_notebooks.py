@@ -119,3 +119,18 @@ def test_labels_read_as_words():
     assert analysis.hetero_label("1:delay=0.01") == "rank 1 +10 ms/step"
     assert analysis.hetero_label("1:slowdown=3") == "rank 1 3\u00d7 slower"
     assert analysis.hetero_label("") == "homogeneous"
+
+
+def test_the_cost_model_reads_a_quotad_rank_by_the_cpu_its_quota_sustains(tmp_path):
+    """Under 1:quota=0.5 rank 1's compute looks like rank 0's (1 ms a sample: its steps started with quota banked),
+    but its steps were charged 10 ms + 1 ms a sample of CPU, at half a core 20 ms + 2 ms a sample, less the 4 ms
+    all-reduce: 16 ms + 2 ms. Equal sizes 80 + 4 ms, the best (48/16) 48 + 4 ms: the model predicts 84 / 52, where
+    the staircase alone would predict no gain (both ranks at 1 ms a sample)."""
+    def steps(sizes):
+        return [{"epoch": e, "step": k, "rank": r, "batch_size": b, "wait_s": 0.004, "delay_s": 0.0,
+                 "compute_s": 0.001 * b, "cpu_s": 0.001 * b + (0.0, 0.01)[r]}
+                for e in (1, 2) for k in range(3) for r, b in enumerate(sizes)]
+    for scheme, sizes in (("sync", (32, 32)), ("dp", (40, 24))):
+        _fake_run(tmp_path, f"{scheme}-0", scheme, 0, [1.0, 2.0], [0.5, 0.9], "", "1:quota=0.5", steps(sizes))
+    t = analysis.summary_table(analysis.load(tmp_path)).set_index("scheme")
+    assert t.loc["dp", "predicted_speedup"] == pytest.approx(0.084 / 0.052)

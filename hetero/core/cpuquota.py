@@ -25,18 +25,20 @@ def _text(path: Path) -> str:
         return ""
 
 
-def _v2(folder: Path) -> tuple[float, float] | None:
-    quota, _, period = _text(folder / "cpu.max").partition(" ")
-    if quota and quota != "max" and period:
+def _us(quota: str, period: str) -> tuple[float, float] | None:
+    """Two counts of microseconds as seconds; None unless both are whole and positive ("max", -1: no quota)."""
+    if quota.isdigit() and period.isdigit() and int(quota) > 0 and int(period) > 0:
         return int(quota) / 1e6, int(period) / 1e6
     return None
+
+
+def _v2(folder: Path) -> tuple[float, float] | None:
+    quota, _, period = _text(folder / "cpu.max").partition(" ")
+    return _us(quota, period.strip())
 
 
 def _v1(folder: Path) -> tuple[float, float] | None:
-    quota, period = _text(folder / "cpu.cfs_quota_us"), _text(folder / "cpu.cfs_period_us")
-    if quota.lstrip("-").isdigit() and int(quota) > 0 and period.isdigit():
-        return int(quota) / 1e6, int(period) / 1e6
-    return None
+    return _us(_text(folder / "cpu.cfs_quota_us"), _text(folder / "cpu.cfs_period_us"))
 
 
 def _tightest(mount: Path, path: str, read) -> tuple[float, float]:

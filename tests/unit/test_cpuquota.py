@@ -46,6 +46,9 @@ def test_v2_cpu_max_and_max_for_none(tmp_path):
     assert _read(tmp_path, "0::/job") == NONE
     _v2(tmp_path / "v2", "/job", "25000 50000")
     assert _read(tmp_path, "0::/job") == pytest.approx((0.025, 0.05))
+    for bad in ("lots 100000", "25000 0", "25000", ""):  # unreadable: no quota, never an error in every Balance
+        _v2(tmp_path / "v2", "/job", bad)
+        assert _read(tmp_path, "0::/job") == NONE
 
 
 def test_a_container_that_sees_its_own_cgroup_as_the_root_reads_the_mount(tmp_path):

@@ -216,7 +216,7 @@ def predicted_speedup(frames: Frames, runs: pd.DataFrame) -> float:
     all-reduce), the all-reduce being the median over steps of the least wait of any rank. A rank under a CFS quota
     (--straggler) is fitted at the rate its quota sustains its steps' CPU, as the balancer and the bench read it
     (noisefit.sustained_steps). NaN without steps or with a changing world."""
-    from ..trainer.straggler import parse_straggler
+    from ..trainer.straggler import quotas
     from .noisefit import sustained_steps
 
     st = frames.steps[frames.steps["run"].isin(runs["run"])]
@@ -224,8 +224,7 @@ def predicted_speedup(frames: Frames, runs: pd.DataFrame) -> float:
         st = st[st["epoch"] > 1]
     keys = runs["hetero"].dropna().unique()  # one setting: one heterogeneity key (hetero + outside straggler)
     outside = str(keys[0]).split(OUTSIDE, 1)[1] if len(keys) == 1 and OUTSIDE in str(keys[0]) else ""
-    quota = {r: (q.quota * q.period_us / 1e6, q.period_us / 1e6)
-             for r, q in parse_straggler(outside).items() if q.quota is not None}
+    quota = quotas(outside)
     if quota and len(st):
         st = sustained_steps(st, quota, float(st.groupby(["run", "epoch", "step"])["wait_s"].min().mean()))
     worlds = runs["world_size"].dropna().unique()

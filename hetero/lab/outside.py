@@ -40,12 +40,6 @@ def needs_cgroup(kind: str) -> bool:
     return any(s.quota is not None for s in straggler.parse_straggler(kinds(WORLD)[kind][1]).values())
 
 
-def quotas(spec: str) -> dict[int, tuple[float, float]]:
-    """{rank: (quota_s, period_s)} of the ranks a --straggler spec puts under a CFS quota: the ideal's model of them."""
-    return {r: (s.quota * s.period_us / 1e6, s.period_us / 1e6)
-            for r, s in straggler.parse_straggler(spec).items() if s.quota is not None}
-
-
 def cores(world: int) -> list[int]:
     """One core per rank (the last ranks share the last core when there are fewer cores)."""
     own = sorted(os.sched_getaffinity(0))
@@ -115,7 +109,7 @@ def rows(suite: Suite, out: Path, calib, group: Path | None, notes: list[str]) -
                 name = f"outside-{kind}-{scheme}-r{repeat}"
                 print(f"bench: {name}", flush=True)
                 d = train(suite, out, name, scheme, spec, group, notes)
-                row = read_row(suite, d, calib, WORLD, (kind, label, ""), scheme, repeat, quotas(spec))
+                row = read_row(suite, d, calib, WORLD, (kind, label, ""), scheme, repeat, straggler.quotas(spec))
                 batch.append({**row, "straggler": spec, "affinity": ",".join(map(str, cores(WORLD)))})
             add_speedup_vs_sync(batch)
             found += batch

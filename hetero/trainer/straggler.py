@@ -54,6 +54,12 @@ class Straggler:
     period_us: int = PERIOD_US
 
 
+def quotas(text: str) -> dict[int, tuple[float, float]]:
+    """{rank: (quota_s, period_s)} of the ranks a --straggler spec puts under a CFS quota (what each reads back)."""
+    return {r: (s.quota * s.period_us / 1e6, s.period_us / 1e6)
+            for r, s in parse_straggler(text).items() if s.quota is not None}
+
+
 def parse_straggler(text: str) -> dict[int, Straggler]:
     """{rank: Straggler} of a --straggler spec ("" -> {}); ValueError naming the bad item."""
     out: dict[int, dict] = {}

@@ -17,6 +17,8 @@ def test_grammar_reads_each_kind_per_rank():
     assert parse_straggler("1:quota=0.33, 1:neighbour=busy,0:threads=2") == {
         1: Straggler(quota=0.33, neighbour="busy"), 0: Straggler(threads=2)}
     assert parse_straggler("1:quota=0.33@10ms") == {1: Straggler(quota=0.33, period_us=10_000)}
+    # what each rank reads back from its cgroup (hetero.core.cpuquota): CPU seconds per period
+    assert straggler.quotas("1:quota=0.33@10ms,0:neighbour=busy") == {1: pytest.approx((0.0033, 0.01))}
 
 
 @pytest.mark.parametrize("text, says", [

@@ -168,4 +168,6 @@ if __name__ == "__main__":
     p.add_argument("--checkpoint-dir", default="", help="save a checkpoint there at every epoch's end")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")
-    sys.exit(main(p.parse_args()))
+    code = main(p.parse_args())
+    sys.stdout.flush(), sys.stderr.flush()  # then os._exit, not sys.exit: a plain script's gloo threads can abort
+    os._exit(code)  # a finished run at interpreter shutdown (pytorch/pytorch#190489; hetero/core/settle.py)

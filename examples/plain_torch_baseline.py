@@ -85,4 +85,6 @@ if __name__ == "__main__":
     p.add_argument("--subset", type=int, default=0, help="train on this many samples (0: all)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
     p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")
-    sys.exit(main(p.parse_args()))
+    code = main(p.parse_args())
+    sys.stdout.flush(), sys.stderr.flush()  # then os._exit, not sys.exit: a plain script's gloo threads can abort
+    os._exit(code)  # a finished run at interpreter shutdown (pytorch/pytorch#190489; hetero/core/settle.py)

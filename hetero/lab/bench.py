@@ -354,12 +354,16 @@ def outside_section(res: dict) -> list[str]:
                   f"[min-max])", ""]
         lines += markdown_table(
             ["last rank", "scheme", "/ ideal", "simulated", "speedup vs sync", "predicted", "jitter",
-             "misallocation", "size changes", "shares"],
+             "misallocation", "optimum moves (own / last)", "size changes", "shares"],
             [[r["effect"], r["scheme"],
               f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
               _simulated(r), "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
               f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", f"{r['misallocation']:.3f}",
+              " / ".join("" if r.get(k) is None else f"{r[k]:.3f}" for k in ("epoch_optimum", "lagged_optimum")),
               f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])] for r in summ]) + [""]
+        lines += ["Optimum moves: the misallocation of each steady epoch sized at the best of the model fitted to its "
+                  "own steps, and to the epoch's before it (a rule deciding at epoch ends with no estimation noise): "
+                  "how far the run's cost moved the optimum from epoch to epoch.", ""]
     if cmp := res.get("outside_vs_dp"):
         lines += markdown_table(
             ["last rank", "dp", "dp spread", "affine", "affine - dp", "within dp's spread"],

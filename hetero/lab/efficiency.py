@@ -93,22 +93,25 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches. quota: {rank: (quota_s, period_s)} of
     ranks under a CFS quota: such a rank's step is fitted at the rate its quota sustains the CPU it was charged
     (partition.sustained_s, less the all-reduce), not at its measured compute, which the quota's bursts make a
-    staircase (docs/benchmarks.md)."""
+    staircase (docs/benchmarks.md). epoch_optimum_s and lagged_optimum_s: the misallocation of each steady epoch
+    sized at the optimum of its own steps, and of the epoch's before it (how far the optimum itself moves)."""
     a, c = calib
     unit = max(micro_batch, 1)
     if micro_batch:
         a, c = 0.0, c + a / unit
     world = steps["rank"].nunique()
     cores = list(range(world)) if cores is None else list(cores)
-    steady = steps[steps.epoch >= steady_from]
-    if "delay_s" not in steady:
-        steady = steady.assign(delay_s=0.0)
+    seen = steps[steps.epoch >= steady_from - 1]  # the epoch before the steady ones too: its optimum sizes the first
+    if "delay_s" not in seen:
+        seen = seen.assign(delay_s=0.0)
+    steady = seen[seen.epoch >= steady_from]
     per_step = steady.groupby(["epoch", "step"])
-    grid = lambda col: steady.pivot_table(index=["epoch", "step"], columns="rank", values=col).to_numpy()  # noqa
+    grid = lambda col, f=None: (steady if f is None else f).pivot_table(  # noqa: E731
+        index=["epoch", "step"], columns="rank", values=col).to_numpy()
     sizes, compute, slept = grid("batch_size"), grid("compute_s"), grid("delay_s")
     allreduce_s = float(per_step.wait_s.min().mean())
     if quota:  # the quota'd ranks' steps at the rate their quota sustains their CPU, as the balancer reads them
-        steady = noisefit.sustained_steps(steady, quota, allreduce_s)
+        steady, seen = (noisefit.sustained_steps(f, quota, allreduce_s) for f in (steady, seen))
         compute = grid("compute_s")
     walls = compute - slept
     on = sizes > 0
@@ -119,6 +122,21 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     equal = batch_sizes(np.ones(world), global_batch, granularity=unit)
     T = lambda b: finish_s(fixed, per, b, cores, factor, delay).max(-1)  # noqa: E731
     ideal_s = float(T(best))
+
+    def optimum(e: int) -> np.ndarray:  # the best sizes of the same model fitted to epoch e's steps alone
+        b = grid("batch_size", seen[seen.epoch == e])
+        s = fit_scale(grid("compute_s", seen[seen.epoch == e]) - grid("delay_s", seen[seen.epoch == e]),
+                      np.where(b > 0, a + c * b, 0.0), cores)
+        return coupled_batch_sizes(s * a, s * c, global_batch, cores, factor, delay, granularity=unit)
+
+    # How far the optimum itself moves from epoch to epoch, scored by this model as the misallocation is: each steady
+    # epoch sized at its own optimum (known in advance), and at the optimum of the epoch before it (what a rule that
+    # decides at epoch ends from that epoch, with no estimation noise, would choose). Steps-weighted means.
+    counts = steady.groupby("epoch").step.nunique()
+    had = {int(e) for e in seen.epoch.unique()}
+    own = {int(e): float(T(optimum(int(e)))) - ideal_s for e in counts.index}
+    lagged = {e: float(T(optimum(e - 1))) - ideal_s for e in own if e - 1 in had}
+    mean = lambda d: float(sum(counts[e] * v for e, v in d.items()) / sum(counts[e] for e in d)) if d else None  # noqa
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
             "factor": factor.tolist(), "delay_s": delay.tolist(), "cores": cores,
             "ideal_sizes": best.tolist(), "ideal_step_s": ideal_s, "sync_step_s": float(T(equal)),
@@ -127,6 +145,7 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
             "jitter_s": float(compute.max(1).mean() - compute.mean(0).max()),
             # the balancer's part: the model's slowest step at the sizes it chose over T*, and how often they moved
             "misallocation_s": float(T(sizes).mean() - ideal_s),
+            "epoch_optimum_s": mean(own), "lagged_optimum_s": mean(lagged),
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
 
 
@@ -178,6 +197,8 @@ def read_row(suite: Suite, d: Path, calib, world: int, effect: tuple[str, str, s
             "over_sync_bound": epoch_s / bound_s, "predicted_speedup": bound_s / ideal_s,
             "jitter": n * m["jitter_s"] / ideal_s, "misallocation": n * m["misallocation_s"] / ideal_s,
             "size_changes": m["size_changes"],
+            **{k: None if m[f"{k}_s"] is None else n * m[f"{k}_s"] / ideal_s
+               for k in ("epoch_optimum", "lagged_optimum")},
             "balance_eff": float(np.mean([float(r["balance_eff"]) for r in steady])),
             "shares": ranks[ranks.epoch == ranks.epoch.max()].share.round(3).tolist(), "cost_model": m,
             "simulated": sim["simulated"], "replay": sim, "run_dir": str(d)}
@@ -212,6 +233,7 @@ def summary(rows: list[dict]) -> list[dict]:
                     "max": max(ratios), "over_sync_bound": med("over_sync_bound"),
                     "speedup_vs_sync": med("speedup_vs_sync"), "predicted_speedup": med("predicted_speedup"),
                     "jitter": med("jitter"), "misallocation": med("misallocation"),
+                    "epoch_optimum": med("epoch_optimum"), "lagged_optimum": med("lagged_optimum"),
                     "size_changes": med("size_changes"), "simulated": med("simulated"),
                     "simulated_sd": float(np.median([r["replay"]["simulated_sd"] for r in rs if r.get("replay")]
                                                     or [0])),

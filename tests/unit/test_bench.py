@@ -129,3 +129,33 @@ def test_summary_and_affine_against_dp_over_repeats():
     assert delay["ahead"] and delay["within"] and delay["kind"] == "delay"
     rows[3]["over_ideal"] = rows[4]["over_ideal"] = 1.07  # affine's median 1.07 > 1.03 + 0.03: outside the spread
     assert not affine_vs_dp(summary(rows))[0]["within"]
+
+
+def test_the_optimum_moves_as_the_cost_moves_between_epochs():
+    """A rank whose per-sample cost is 2c, 1.5c, c in epochs 1-3 (steady from 2): each epoch's own optimum, and the
+    optimum of the epoch before it, are scored by the model of the steady epochs together, exactly; with one cost
+    in every epoch both are 0."""
+    import pandas as pd
+
+    from hetero.lab.coupled import coupled_batch_sizes, finish_s
+    from hetero.lab.efficiency import cost_model
+
+    a, c, B = 0.0, 0.001, 128
+
+    def frame(per_epoch):
+        return pd.concat([_steps_frame([a, a], [c, c * k], [0.0, 0.0], [64, 64]).assign(epoch=e)
+                          for e, k in per_epoch.items()])
+
+    still = cost_model(frame({1: 1.5, 2: 1.5, 3: 1.5}), (a, c), B, 2)
+    assert still["epoch_optimum_s"] == pytest.approx(0, abs=1e-12)
+    assert still["lagged_optimum_s"] == pytest.approx(0, abs=1e-12)
+    m = cost_model(frame({1: 2.0, 2: 1.5, 3: 1.0}), (a, c), B, 2)
+    assert m["per_sample_s"] == pytest.approx([c, 1.25 * c])  # the steady epochs' mean
+    T = lambda b: finish_s(m["fixed_s"], m["per_sample_s"], b, [0, 1]).max()  # noqa: E731
+    best = {k: coupled_batch_sizes([a, a], [c, c * k], B, [0, 1]) for k in (1.0, 1.5, 2.0)}
+    ideal = m["ideal_step_s"]
+    assert m["epoch_optimum_s"] == pytest.approx((T(best[1.5]) + T(best[1.0])) / 2 - ideal)
+    assert m["lagged_optimum_s"] == pytest.approx((T(best[2.0]) + T(best[1.5])) / 2 - ideal)
+    assert m["lagged_optimum_s"] > m["epoch_optimum_s"] > 0.001
+    first = cost_model(frame({2: 1.5, 3: 1.0}), (a, c), B, 2)  # no epoch before the first steady one
+    assert first["lagged_optimum_s"] == pytest.approx(T(best[1.5]) - ideal)

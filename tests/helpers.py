@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -57,11 +58,35 @@ def _env() -> dict[str, str]:
     return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
+def bounded(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd) in its own process group; past timeout, every process of the group (launcher, ranks,
+    DataLoader workers) gets SIGABRT, so that faulthandler prints each one's Python stacks, and the test fails with
+    them instead of an empty timeout."""
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGABRT)
+        try:
+            out, err = p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        raise AssertionError(f"{' '.join(map(str, cmd))} ran past {timeout:g} s: every process aborted, their "
+                             f"stacks below\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-20000:]}") from None
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_train(args: list[str], nproc: int = 1, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
     """`python -m hetero.trainer ARGS` (nproc=0) or
     `torchrun --standalone --nproc-per-node=N -m hetero.trainer ARGS`."""
     cmd = [sys.executable, "-m", "hetero.trainer", *args] if nproc == 0 else torchrun_cmd(nproc, args)
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    p = bounded(cmd, _env(), timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {p.returncode}\n--- stdout\n{p.stdout[-4000:]}\n"
                              f"--- stderr\n{p.stderr[-6000:]}")

@@ -10,10 +10,20 @@ threads, while a DDP model or a cycle still refers to it.
 So at exit (atexit runs before the interpreter shuts down) the main thread, GIL released, waits until gloo's threads
 have freed every comm-hook callback hetero issued (counted exactly), then gives them a quarter of a second for the
 works' own tensors, which cannot be counted from Python. Nothing waits in a process that never ran a collective.
+
+The same wait runs before every fork (os.register_at_fork): a DataLoader's worker processes, forked from a rank. A gloo
+thread entering Python for such a free first makes its thread state, holding the interpreter's thread-list lock
+without the GIL; a fork at that moment hands the child that lock held, and on CPython before the fix of
+python/cpython#112275 (3.11.7 here) the child waits on it forever, before running a line: its rank then waits
+forever for that worker's first batch (seen once in 20 runs of a HeteroTrainer with 2 workers on a loaded 2-core VM,
+a DataLoader worker stuck in PyOS_AfterFork_Child). Released GIL and grace let such a thread leave the lock first.
+A start method that does not fork this process (dataloader_multiprocessing_context / multiprocessing_context=
+"forkserver") avoids the hazard whatever the threads do (docs/own-loop.md, A clean exit).
 """
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -54,3 +64,5 @@ class _Settle:
 
 settle = _Settle()
 atexit.register(settle.wait)
+if hasattr(os, "register_at_fork"):  # POSIX: before a DataLoader's workers are forked from a rank
+    os.register_at_fork(before=lambda: settle.wait(timeout_s=2.0))

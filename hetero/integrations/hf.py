@@ -127,7 +127,10 @@ class HeteroTrainer(Trainer):
         if self.balance.settings.micro_batch:  # G entries per step for the Trainer's loop (hf_accumulate)
             spe = self.balance.engine.plan.steps_per_epoch
             sampler = hf_accumulate.StepLength(sampler, spe, a.gradient_accumulation_steps)
-        return DataLoader(ds, batch_sampler=sampler, collate_fn=collate,
+        # the Trainer's start method for workers too (dataloader_multiprocessing_context: "forkserver" forks no rank,
+        # whose gloo threads enter Python; hetero/core/settle.py)
+        context = getattr(a, "dataloader_multiprocessing_context", None) if workers else None
+        return DataLoader(ds, batch_sampler=sampler, collate_fn=collate, multiprocessing_context=context,
                           num_workers=workers, pin_memory=a.dataloader_pin_memory,
                           persistent_workers=a.dataloader_persistent_workers and workers > 0,
                           prefetch_factor=a.dataloader_prefetch_factor if workers else None,

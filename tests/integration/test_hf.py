@@ -179,6 +179,21 @@ def test_a_trainer_setting_hetero_cannot_honour_is_one_line(monkeypatch, tmp_pat
     assert str(e.value) == line
 
 
+@pytest.mark.parametrize("context", ["forkserver", "spawn", None])
+def test_the_train_loader_starts_its_workers_as_the_trainer_says(monkeypatch, tmp_path, context):
+    """dataloader_multiprocessing_context reaches hetero's train DataLoader as the Trainer's own (None: torch's)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bal = hetero.Balance(global_batch=B)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], per_device_train_batch_size=B // 2,
+                             dataloader_num_workers=2, dataloader_multiprocessing_context=context)
+    trainer = HeteroTrainer(model=MeanLoss(), args=args, train_dataset=Points(), balance=bal)
+    method = lambda loader: loader.multiprocessing_context and loader.multiprocessing_context.get_start_method()  # noqa
+    assert method(trainer.get_train_dataloader()) == context == method(trainer.get_eval_dataloader(Points()))
+
+
 @pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
 def test_a_download_while_offline_is_one_line_and_exit_2():
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "hf_trainer.py"), "--pretrained", "gpt2"], cwd=ROOT,

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
 from hetero.lab.launch import clean_env
 
-from helpers import ROOT
+from helpers import ROOT, bounded
 
 pytestmark = pytest.mark.slow  # the Hugging Face examples under torchrun and accelerate launch
 
@@ -34,7 +33,7 @@ def _launch(script: str, tmp_path, *extra: str, name: str = "rec", launcher: lis
     cmd = [*(launcher or [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           "--log-dir=/dev/null"]), str(ROOT / "examples" / script), *ARGS, *extra,
            "--record", str(tmp_path / name)]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = bounded(cmd, env, timeout=420)  # 10-30 s here: past it, every process's stacks
     assert p.returncode == 0, f"{script} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
 
@@ -138,8 +137,7 @@ def test_the_ported_run_clm_accumulates_per_rank_and_learns(tmp_path):
            "--num_train_epochs", "2", "--max_train_samples", "256", "--learning_rate", "3e-3", "--do_train",
            "--do_eval", "--output_dir", str(out), "--use_cpu", "--hetero", "1:slowdown=3", "--rebalance_every", "5",
            "--logging_steps", "4", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
-    p = subprocess.run(cmd, cwd=ROOT, env={**clean_env(threads="1"), "HF_HUB_OFFLINE": "1"}, capture_output=True,
-                       text=True, timeout=900)
+    p = bounded(cmd, {**clean_env(threads="1"), "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert p.returncode == 0, f"run_clm.py exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == 2 * 256 // 16

@@ -18,7 +18,7 @@ def test_a_fork_waits_until_another_thread_has_freed_the_tracked_callbacks():
     settle.track(done)
     held = [done]
     del done
-    threading.Timer(0.2, held.clear).start()  # the other thread frees it a moment later, needing the GIL
+    threading.Timer(0.05, held.clear).start()  # the other thread frees it a moment later (it needs the GIL)
     r, w = os.pipe()
     pid = os.fork()  # the forking thread holds the GIL: without the wait, the callback is still alive here
     if pid == 0:

@@ -111,7 +111,8 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     sizes, compute, slept = grid("batch_size"), grid("compute_s"), grid("delay_s")
     allreduce_s = float(per_step.wait_s.min().mean())
     if quota:  # the quota'd ranks' steps at the rate their quota sustains their CPU, as the balancer reads them
-        steady, seen = (noisefit.sustained_steps(f, quota, allreduce_s) for f in (steady, seen))
+        seen = noisefit.sustained_steps(seen, quota, allreduce_s)  # row by row: the steady rows are its own
+        steady = seen[seen.epoch >= steady_from]
         compute = grid("compute_s")
     walls = compute - slept
     on = sizes > 0

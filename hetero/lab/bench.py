@@ -344,6 +344,14 @@ def run_outside(suite: Suite, out: Path, res: dict) -> None:
     res["outside_teardown"] = outside.leftovers(None if group is None else str(group))
 
 
+def _moves(move, z) -> str:
+    """Each rank's largest epoch-to-epoch cost move and its z, as "12% (9) / 30% (14)"."""
+    if not move:
+        return ""
+    return " / ".join("" if m is None else f"{m:.0%}" + ("" if v is None else f" ({v:.0f})")
+                      for m, v in zip(move, z or [None] * len(move)))
+
+
 def outside_section(res: dict) -> list[str]:
     """The outside part's tables: its rows like the balance part's, affine against dp, the come-and-go runs."""
     lines = []
@@ -354,16 +362,20 @@ def outside_section(res: dict) -> list[str]:
                   f"[min-max])", ""]
         lines += markdown_table(
             ["last rank", "scheme", "/ ideal", "simulated", "speedup vs sync", "predicted", "jitter",
-             "misallocation", "optimum moves (own / last)", "size changes", "shares"],
+             "misallocation", "optimum moves (own / last / pooled)", "cost moves (z)", "size changes", "shares"],
             [[r["effect"], r["scheme"],
               f"{r['over_ideal']:.3f}" + (f" [{r['min']:.3f}-{r['max']:.3f}]" if r["repeats"] > 1 else ""),
               _simulated(r), "" if r["speedup_vs_sync"] is None else f"{r['speedup_vs_sync']:.2f}x",
               f"{r['predicted_speedup']:.2f}x", f"{r['jitter']:.3f}", f"{r['misallocation']:.3f}",
-              " / ".join("" if r.get(k) is None else f"{r[k]:.3f}" for k in ("epoch_optimum", "lagged_optimum")),
+              " / ".join("" if r.get(k) is None else f"{r[k]:.3f}"
+                         for k in ("epoch_optimum", "lagged_optimum", "pooled_optimum")),
+              _moves(r.get("cost_move"), r.get("cost_move_z")),
               f"{r['size_changes']:g}", "/".join(f"{s:.2f}" for s in r["shares"])] for r in summ]) + [""]
         lines += ["Optimum moves: the misallocation of each steady epoch sized at the best of the model fitted to its "
-                  "own steps, and to the epoch's before it (a rule deciding at epoch ends with no estimation noise): "
-                  "how far the run's cost moved the optimum from epoch to epoch.", ""]
+                  "own steps, to the epoch's before it (a rule deciding at epoch ends with no estimation noise), and "
+                  "to every epoch's before it (such a rule with unbounded memory): how far the run's cost moved the "
+                  "optimum from epoch to epoch. Cost moves: each rank's largest change of its fitted cost between "
+                  "consecutive epochs, and (z) that change in standard errors of the two epochs' means.", ""]
     if cmp := res.get("outside_vs_dp"):
         lines += markdown_table(
             ["last rank", "dp", "dp spread", "affine", "affine - dp", "within dp's spread"],

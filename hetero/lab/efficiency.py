@@ -15,7 +15,7 @@ import numpy as np
 from ..core.emulator import mean_effects, parse_hetero
 from ..core.partition import batch_sizes
 from . import noisefit
-from .coupled import coupled_batch_sizes, finish_s, fit_scale
+from .coupled import coupled_batch_sizes, finish_s, fit_scale, unshare
 from .launch import clean_env, torchrun_cmd
 from .measure import add_speedup_vs_sync, launch, steady_epochs
 
@@ -93,8 +93,9 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     a + c x m: s_i x b x (a/m + c), and the ideal is in whole micro-batches. quota: {rank: (quota_s, period_s)} of
     ranks under a CFS quota: such a rank's step is fitted at the rate its quota sustains the CPU it was charged
     (partition.sustained_s, less the all-reduce), not at its measured compute, which the quota's bursts make a
-    staircase (docs/benchmarks.md). epoch_optimum_s and lagged_optimum_s: the misallocation of each steady epoch
-    sized at the optimum of its own steps, and of the epoch's before it (how far the optimum itself moves)."""
+    staircase (docs/benchmarks.md). epoch_optimum_s, lagged_optimum_s and pooled_optimum_s: the misallocation of
+    each steady epoch sized at the optimum of its own steps, of the epoch's before it, and of every epoch's before it
+    (how far the optimum itself moves); cost_move, cost_move_z: how far each rank's own cost moved between epochs."""
     a, c = calib
     unit = max(micro_batch, 1)
     if micro_batch:
@@ -124,20 +125,26 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     T = lambda b: finish_s(fixed, per, b, cores, factor, delay).max(-1)  # noqa: E731
     ideal_s = float(T(best))
 
-    def optimum(e: int) -> np.ndarray:  # the best sizes of the same model fitted to epoch e's steps alone
-        b = grid("batch_size", seen[seen.epoch == e])
-        s = fit_scale(grid("compute_s", seen[seen.epoch == e]) - grid("delay_s", seen[seen.epoch == e]),
-                      np.where(b > 0, a + c * b, 0.0), cores)
+    def scale_of(f) -> np.ndarray:  # each rank's scale of the same model fitted to these steps alone
+        b = grid("batch_size", f)
+        return fit_scale(grid("compute_s", f) - grid("delay_s", f), np.where(b > 0, a + c * b, 0.0), cores)
+
+    def optimum(f) -> np.ndarray:  # the best sizes of that model
+        s = scale_of(f)
         return coupled_batch_sizes(s * a, s * c, global_batch, cores, factor, delay, granularity=unit)
 
     # How far the optimum itself moves from epoch to epoch, scored by this model as the misallocation is: each steady
-    # epoch sized at its own optimum (known in advance), and at the optimum of the epoch before it (what a rule that
-    # decides at epoch ends from that epoch, with no estimation noise, would choose). Steps-weighted means.
+    # epoch sized at its own optimum (known in advance), at the optimum of the epoch before it (what a rule that
+    # decides at epoch ends from that epoch, with no estimation noise, would choose), and at the optimum of every
+    # epoch seen before it pooled (such a rule with unbounded memory). Steps-weighted means.
     counts = steady.groupby("epoch").step.nunique()
+    epoch = lambda e: seen[seen.epoch == e]  # noqa: E731
     had = {int(e) for e in seen.epoch.unique()}
-    own = {int(e): float(T(optimum(int(e)))) - ideal_s for e in counts.index}
-    lagged = {e: float(T(optimum(e - 1))) - ideal_s for e in own if e - 1 in had}
+    own = {int(e): float(T(optimum(epoch(int(e))))) - ideal_s for e in counts.index}
+    lagged = {e: float(T(optimum(epoch(e - 1)))) - ideal_s for e in own if e - 1 in had}
+    pooled = {e: float(T(optimum(seen[seen.epoch < e]))) - ideal_s for e in own if min(had) < e}
     mean = lambda d: float(sum(counts[e] * v for e, v in d.items()) / sum(counts[e] for e in d)) if d else None  # noqa
+    move, move_z = _cost_moves(seen, a, c, cores, scale_of, sorted(had))
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
             "factor": factor.tolist(), "delay_s": delay.tolist(), "cores": cores,
             "ideal_sizes": best.tolist(), "ideal_step_s": ideal_s, "sync_step_s": float(T(equal)),
@@ -146,8 +153,37 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
             "jitter_s": float(compute.max(1).mean() - compute.mean(0).max()),
             # the balancer's part: the model's slowest step at the sizes it chose over T*, and how often they moved
             "misallocation_s": float(T(sizes).mean() - ideal_s),
-            "epoch_optimum_s": mean(own), "lagged_optimum_s": mean(lagged),
+            "epoch_optimum_s": mean(own), "lagged_optimum_s": mean(lagged), "pooled_optimum_s": mean(pooled),
+            # each rank's largest move of its cost between consecutive epochs (relative), and that move in standard
+            # errors of the two epochs' means: a move well over a few is the host's, not the clock's noise
+            "cost_move": move, "cost_move_z": move_z,
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
+
+
+def _cost_moves(seen, a: float, c: float, cores, scale_of, epochs: list[int]) -> tuple[list, list]:
+    """[world] each rank's largest relative change of its fitted scale between consecutive epochs, and [world] that
+    change over the standard error of the difference (from each epoch's per-step scatter of its walls over the
+    model's work, the sharing of a core undone step by step); empty lists with fewer than two epochs."""
+    if len(epochs) < 2:
+        return [], []
+    scales, ses = [], []
+    for e in epochs:
+        f = seen[seen.epoch == e]
+        b = f.pivot_table(index="step", columns="rank", values="batch_size").to_numpy()
+        w = (f.pivot_table(index="step", columns="rank", values="compute_s")
+             - f.pivot_table(index="step", columns="rank", values="delay_s")).to_numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = np.where(b > 0, unshare(w, cores) / np.where(b > 0, a + c * b, 1.0), np.nan)
+            n = np.sum(b > 0, axis=0)
+            ses.append(np.where(n > 1, np.nanstd(r, axis=0, ddof=1) / np.sqrt(np.maximum(n, 1)), np.nan))
+        scales.append(scale_of(f))
+    s, se = np.array(scales), np.array(ses)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.abs(s[1:] / s[:-1] - 1)
+        z = np.abs(s[1:] - s[:-1]) / np.sqrt(se[1:] ** 2 + se[:-1] ** 2)
+    at = np.nanargmax(np.where(np.isfinite(rel), rel, -1), axis=0)
+    pick = lambda x: [None if not np.isfinite(v) else float(v) for v in x[at, np.arange(x.shape[1])]]  # noqa: E731
+    return pick(rel), pick(z)
 
 
 def _sleeps(hetero: str, walls: np.ndarray, slept: np.ndarray, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -199,7 +235,8 @@ def read_row(suite: Suite, d: Path, calib, world: int, effect: tuple[str, str, s
             "jitter": n * m["jitter_s"] / ideal_s, "misallocation": n * m["misallocation_s"] / ideal_s,
             "size_changes": m["size_changes"],
             **{k: None if m[f"{k}_s"] is None else n * m[f"{k}_s"] / ideal_s
-               for k in ("epoch_optimum", "lagged_optimum")},
+               for k in ("epoch_optimum", "lagged_optimum", "pooled_optimum")},
+            "cost_move": m["cost_move"], "cost_move_z": m["cost_move_z"],
             "balance_eff": float(np.mean([float(r["balance_eff"]) for r in steady])),
             "shares": ranks[ranks.epoch == ranks.epoch.max()].share.round(3).tolist(), "cost_model": m,
             "simulated": sim["simulated"], "replay": sim, "run_dir": str(d)}
@@ -235,11 +272,20 @@ def summary(rows: list[dict]) -> list[dict]:
                     "speedup_vs_sync": med("speedup_vs_sync"), "predicted_speedup": med("predicted_speedup"),
                     "jitter": med("jitter"), "misallocation": med("misallocation"),
                     "epoch_optimum": med("epoch_optimum"), "lagged_optimum": med("lagged_optimum"),
+                    "pooled_optimum": med("pooled_optimum"), "cost_move": _med_ranks(rs, "cost_move"),
+                    "cost_move_z": _med_ranks(rs, "cost_move_z"),
                     "size_changes": med("size_changes"), "simulated": med("simulated"),
                     "simulated_sd": float(np.median([r["replay"]["simulated_sd"] for r in rs if r.get("replay")]
                                                     or [0])),
                     "shares": rs[-1]["shares"], "affinity": rs[0]["affinity"]})
     return out
+
+
+def _med_ranks(rows: list[dict], key: str) -> list:
+    """The per-rank median of a per-rank figure over the repeats that have it ([] where none has)."""
+    got = [r[key] for r in rows if r.get(key)]
+    return [] if not got else [float(np.median([float(v) for v in col if v is not None]))
+                               if any(v is not None for v in col) else None for col in zip(*got)]
 
 
 def affine_vs_dp(summ: list[dict]) -> list[dict]:

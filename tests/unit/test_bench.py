@@ -157,5 +157,28 @@ def test_the_optimum_moves_as_the_cost_moves_between_epochs():
     assert m["epoch_optimum_s"] == pytest.approx((T(best[1.5]) + T(best[1.0])) / 2 - ideal)
     assert m["lagged_optimum_s"] == pytest.approx((T(best[2.0]) + T(best[1.5])) / 2 - ideal)
     assert m["lagged_optimum_s"] > m["epoch_optimum_s"] > 0.001
+    # with every epoch before pooled (1 alone for 2; 1 and 2 at equal sizes for 3: the mean cost, 1.75c)
+    best[1.75] = coupled_batch_sizes([a, a], [c, c * 1.75], B, [0, 1])
+    assert m["pooled_optimum_s"] == pytest.approx((T(best[2.0]) + T(best[1.75])) / 2 - ideal)
+    assert m["pooled_optimum_s"] > m["lagged_optimum_s"]  # a cost that keeps moving one way: memory lags it more
+    assert m["cost_move"] == pytest.approx([0.0, 1 / 3])  # rank 1: 2 -> 1.5 -> 1, its largest move 1.5 -> 1
     first = cost_model(frame({2: 1.5, 3: 1.0}), (a, c), B, 2)  # no epoch before the first steady one
     assert first["lagged_optimum_s"] == pytest.approx(T(best[1.5]) - ideal)
+    assert first["pooled_optimum_s"] == pytest.approx(T(best[1.5]) - ideal)
+
+
+def test_a_cost_move_is_counted_in_standard_errors_of_the_epochs_means():
+    """Rank 1's cost 1.5c then c, each step 1% over or under it in turn (rank 0: c throughout, the same scatter):
+    its move is 1/3 and its z the move over the standard error of the difference of the two epochs' means."""
+    import pandas as pd
+
+    from hetero.lab.efficiency import cost_model
+
+    c, n = 0.001, 8
+    rows = [{"epoch": e, "step": t, "rank": i, "batch_size": 64, "delay_s": 0.0, "wait_s": 0.001,
+             "compute_s": c * k[i] * 64 * (1 + 0.01 * (-1) ** t)}
+            for e, k in ((1, (1.0, 1.5)), (2, (1.0, 1.0))) for t in range(n) for i in (0, 1)]
+    m = cost_model(pd.DataFrame(rows), (0.0, c), 128, 2)
+    se = lambda k: k * 0.01 * np.sqrt(n / (n - 1)) / np.sqrt(n)  # noqa: E731  (std with ddof 1, over sqrt(n))
+    assert m["cost_move"] == pytest.approx([0.0, 1 / 3])
+    assert m["cost_move_z"] == pytest.approx([0.0, 0.5 / np.hypot(se(1.5), se(1.0))])

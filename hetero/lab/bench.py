@@ -338,7 +338,8 @@ def run_outside(suite: Suite, out: Path, res: dict) -> None:
     res["outside_summary"] = efficiency.summary(res["outside"])
     res["outside_vs_dp"] = efficiency.affine_vs_dp(res["outside_summary"])
     for fig in (outside.figure(res["come_and_go"], out / "outside_come_and_go.png"),
-                outside.staircase(res["outside"], suite.steady_from, out / "outside_quota_steps.png")):
+                outside.staircase(res["outside"], suite.steady_from, out / "outside_quota_steps.png"),
+                outside.optimum_drift(res["outside"], out / "outside_optimum_drift.png")):
         if fig:
             res["figures"] = [*res.get("figures", []), str(fig)]
     res["outside_teardown"] = outside.leftovers(None if group is None else str(group))
@@ -383,6 +384,9 @@ def outside_section(res: dict) -> list[str]:
               f"{r['affine'] - r['dp']:+.3f}", "yes" if r["within"] else "no"] for r in cmp]) + [""]
     if any(outside.needs_cgroup(r["kind"]) for r in res.get("outside", [])):
         lines += ["![the quota's rank: compute per step against its batch](outside_quota_steps.png)", ""]
+    if any("outside_optimum_drift.png" in f for f in res.get("figures", [])):
+        lines += ["![the slow rank's best size in each epoch, less its best over the steady epochs]"
+                  "(outside_optimum_drift.png)", ""]
     if cg := res.get("come_and_go"):
         lines += [f"## A neighbour that comes and goes (busy process on rank 1's core from step {cg[0]['on_step']} "
                   f"to step {cg[0]['off_step']}; decisions every {cg[0]['every']} steps)", ""]

@@ -157,6 +157,7 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
             # each rank's largest move of its cost between consecutive epochs (relative), and that move in standard
             # errors of the two epochs' means: a move well over a few is the host's, not the clock's noise
             "cost_move": move, "cost_move_z": move_z,
+            "epoch_best": {str(e): optimum(epoch(e)).tolist() for e in sorted(had)},  # each epoch's own best sizes
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
 
 

@@ -259,6 +259,61 @@ def staircase(rows: list[dict], steady_from: int, path: Path) -> Path | None:
     return path
 
 
+def target_band(m: dict, within: float = 0.02) -> tuple[int, int]:
+    """The last rank's batch sizes (lowest, highest) whose step, by a 2-rank run's cost model m, is within `within`
+    of the ideal step plus the all-reduce: the misallocation target's width in samples around the best."""
+    from .coupled import finish_s
+
+    best = np.asarray(m["ideal_sizes"])
+    total, ideal = int(best.sum()), m["ideal_step_s"]
+    b = np.arange(1, total)
+    step = finish_s(m["fixed_s"], m["per_sample_s"], np.stack([total - b, b], -1), m["cores"], m["factor"],
+                    m["delay_s"]).max(-1)
+    ok = b[step - ideal <= within * (ideal + m["allreduce_s"])]
+    return int(ok.min()), int(ok.max())
+
+
+def optimum_drift(rows: list[dict], path: Path, within: float = 0.02) -> Path | None:
+    """Per outside straggler, the last rank's best batch size in each epoch (the run's cost model fitted to that
+    epoch's steps alone) less its best over the steady epochs together, one line per run, over the band of sizes
+    within the misallocation target (the median band of the row's runs): where the optimum itself wanders."""
+    runs = [r for r in rows if r.get("cost_model", {}).get("epoch_best") and len(r["cost_model"]["ideal_sizes"]) == 2]
+    if not runs:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(r["effect"] for r in runs))
+    colours = {s: f"C{i}" for i, s in enumerate(dict.fromkeys(r["scheme"] for r in runs))}
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels), 3.4), dpi=120, sharey=True, squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        mine = [r for r in runs if r["effect"] == label]
+        bands = []
+        for r in mine:
+            m = r["cost_model"]
+            best = m["ideal_sizes"][-1]
+            lo, hi = target_band(m, within)
+            bands.append((lo - best, hi - best))
+            epochs = sorted(m["epoch_best"], key=int)
+            ax.plot([int(e) for e in epochs], [m["epoch_best"][e][-1] - best for e in epochs], marker="o", ms=3,
+                    lw=1, alpha=0.7, color=colours[r["scheme"]])
+        lo, hi = np.median(bands, axis=0)
+        ax.axhspan(lo - 0.5, hi + 0.5, color="0.85", zorder=0)
+        ax.axhline(0, color="0.4", lw=0.8)
+        ax.set(title=label, xlabel="epoch")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"rank {WORLD - 1}'s best batch in the epoch\nless its best over the steady epochs")
+    handles = [plt.Line2D([], [], color=c, marker="o", ms=3, lw=1) for c in colours.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="0.85"))
+    fig.legend(handles, [*colours, f"within {within:g}\nof the ideal"], fontsize=8, loc="center right")
+    fig.suptitle("Each epoch's own best size for the slow rank, every run", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def leftovers(group: str | None) -> dict:
     """What the part left behind: cgroups below the bench's own (or it), and busy neighbours still running."""
     busy = []

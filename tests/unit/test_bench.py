@@ -162,6 +162,7 @@ def test_the_optimum_moves_as_the_cost_moves_between_epochs():
     assert m["pooled_optimum_s"] == pytest.approx((T(best[2.0]) + T(best[1.75])) / 2 - ideal)
     assert m["pooled_optimum_s"] > m["lagged_optimum_s"]  # a cost that keeps moving one way: memory lags it more
     assert m["cost_move"] == pytest.approx([0.0, 1 / 3])  # rank 1: 2 -> 1.5 -> 1, its largest move 1.5 -> 1
+    assert m["epoch_best"] == {str(e): best[k].tolist() for e, k in ((1, 2.0), (2, 1.5), (3, 1.0))}
     first = cost_model(frame({2: 1.5, 3: 1.0}), (a, c), B, 2)  # no epoch before the first steady one
     assert first["lagged_optimum_s"] == pytest.approx(T(best[1.5]) - ideal)
     assert first["pooled_optimum_s"] == pytest.approx(T(best[1.5]) - ideal)
@@ -182,3 +183,23 @@ def test_a_cost_move_is_counted_in_standard_errors_of_the_epochs_means():
     se = lambda k: k * 0.01 * np.sqrt(n / (n - 1)) / np.sqrt(n)  # noqa: E731  (std with ddof 1, over sqrt(n))
     assert m["cost_move"] == pytest.approx([0.0, 1 / 3])
     assert m["cost_move_z"] == pytest.approx([0.0, 0.5 / np.hypot(se(1.5), se(1.0))])
+
+
+def test_the_target_band_is_the_sizes_within_the_misallocation_target_and_the_drift_is_drawn(tmp_path):
+    """Rank 1 3x rank 0's cost per sample, no fixed part, 256 samples: the best gives rank 1 64; within 0.02 of
+    the ideal step (192c) a sample more on rank 1 costs 3c, one fewer c, so the band is 61-65 (64 - 3.84, 64 +
+    1.28). The drift figure is drawn from runs whose cost models hold each epoch's best."""
+    from hetero.lab import outside
+    from hetero.lab.efficiency import cost_model
+
+    c = 0.001
+    m = {"fixed_s": [0.0, 0.0], "per_sample_s": [c, 3 * c], "cores": [0, 1], "factor": [1.0, 1.0],
+         "delay_s": [0.0, 0.0], "ideal_sizes": [192, 64], "ideal_step_s": 192 * c, "allreduce_s": 0.0}
+    assert outside.target_band(m) == (61, 65)
+    assert outside.target_band({**m, "allreduce_s": 192 * c}) == (57, 66)  # 0.02 of twice the step: twice the band
+    frame = _steps_frame([0.0, 0.0], [c, 3 * c], [0.0, 0.0], [128, 128])
+    run = {"effect": "3x", "scheme": "dp", "cost_model": cost_model(frame, (0.0, c), 256, 2)}
+    assert run["cost_model"]["epoch_best"] == {"1": [192, 64], "2": [192, 64]}
+    assert outside.optimum_drift([run], tmp_path / "drift.png") == tmp_path / "drift.png"
+    assert (tmp_path / "drift.png").stat().st_size > 0
+    assert outside.optimum_drift([{**run, "cost_model": {}}], tmp_path / "none.png") is None

@@ -106,6 +106,7 @@ def test_bench_outside_quick_rows_teardown_and_a_neighbour_followed_both_ways(tm
     assert cg["neighbour_epochs"] == [2, 4]  # started after epoch 2, stopped after epoch 4 (quick form)
     assert (out / "outside_come_and_go.png").stat().st_size > 0 and "comes and goes" in (out / "table.md").read_text()
     assert (out / "outside_quota_steps.png").exists() == ("quota" in kinds)  # the quota's steps against its batch
+    assert (out / "outside_optimum_drift.png").stat().st_size > 0  # each epoch's best size against the target band
     if cg["neighbour_slowdown"] < 1.2:  # a host loaded from outside this VM can hide it (docs/benchmarks.md#outside)
         pytest.skip(f"the busy neighbour slowed rank 1 only {cg['neighbour_slowdown']:.2f}x against rank 0 here: "
                     f"no straggler for the balancer to follow")

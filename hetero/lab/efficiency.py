@@ -155,7 +155,7 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
             "misallocation_s": float(T(sizes).mean() - ideal_s),
             "epoch_optimum_s": mean(own), "lagged_optimum_s": mean(lagged), "pooled_optimum_s": mean(pooled),
             # each rank's largest move of its cost between consecutive epochs (relative), and that move in standard
-            # errors of the two epochs' means: a move well over a few is the host's, not the clock's noise
+            # errors of the two epochs' means (indicative: it takes the steps as independent, which bursts are not)
             "cost_move": move, "cost_move_z": move_z,
             "epoch_best": {str(e): optimum(epoch(e)).tolist() for e in sorted(had)},  # each epoch's own best sizes
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}

@@ -144,7 +144,7 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     lagged = {e: float(T(optimum(epoch(e - 1)))) - ideal_s for e in own if e - 1 in had}
     pooled = {e: float(T(optimum(seen[seen.epoch < e]))) - ideal_s for e in own if min(had) < e}
     mean = lambda d: float(sum(counts[e] * v for e, v in d.items()) / sum(counts[e] for e in d)) if d else None  # noqa
-    move, move_z = _cost_moves(seen, a, c, cores, scale_of, sorted(had))
+    move, move_z = _cost_moves(seen, a, c, cores, grid, scale_of, sorted(had))
     return {"scale": scale.tolist(), "fixed_s": fixed.tolist(), "per_sample_s": per.tolist(),
             "factor": factor.tolist(), "delay_s": delay.tolist(), "cores": cores,
             "ideal_sizes": best.tolist(), "ideal_step_s": ideal_s, "sync_step_s": float(T(equal)),
@@ -161,18 +161,17 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
 
 
-def _cost_moves(seen, a: float, c: float, cores, scale_of, epochs: list[int]) -> tuple[list, list]:
+def _cost_moves(seen, a: float, c: float, cores, grid, scale_of, epochs: list[int]) -> tuple[list, list]:
     """[world] each rank's largest relative change of its fitted scale between consecutive epochs, and [world] that
     change over the standard error of the difference (from each epoch's per-step scatter of its walls over the
-    model's work, the sharing of a core undone step by step); empty lists with fewer than two epochs."""
+    model's work, the sharing of a core undone step by step); grid and scale_of: cost_model's own; empty lists with
+    fewer than two epochs."""
     if len(epochs) < 2:
         return [], []
     scales, ses = [], []
     for e in epochs:
         f = seen[seen.epoch == e]
-        b = f.pivot_table(index="step", columns="rank", values="batch_size").to_numpy()
-        w = (f.pivot_table(index="step", columns="rank", values="compute_s")
-             - f.pivot_table(index="step", columns="rank", values="delay_s")).to_numpy()
+        b, w = grid("batch_size", f), grid("compute_s", f) - grid("delay_s", f)
         with np.errstate(invalid="ignore", divide="ignore"):
             r = np.where(b > 0, unshare(w, cores) / np.where(b > 0, a + c * b, 1.0), np.nan)
             n = np.sum(b > 0, axis=0)

@@ -140,8 +140,9 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
     counts = steady.groupby("epoch").step.nunique()
     epoch = lambda e: seen[seen.epoch == e]  # noqa: E731
     had = {int(e) for e in seen.epoch.unique()}
-    own = {int(e): float(T(optimum(epoch(int(e))))) - ideal_s for e in counts.index}
-    lagged = {e: float(T(optimum(epoch(e - 1)))) - ideal_s for e in own if e - 1 in had}
+    epoch_best = {e: optimum(epoch(e)) for e in sorted(had)}  # each epoch's own best sizes, fitted once
+    own = {int(e): float(T(epoch_best[int(e)])) - ideal_s for e in counts.index}
+    lagged = {e: float(T(epoch_best[e - 1])) - ideal_s for e in own if e - 1 in had}
     pooled = {e: float(T(optimum(seen[seen.epoch < e]))) - ideal_s for e in own if min(had) < e}
     mean = lambda d: float(sum(counts[e] * v for e, v in d.items()) / sum(counts[e] for e in d)) if d else None  # noqa
     move, move_z = _cost_moves(seen, a, c, cores, grid, scale_of, sorted(had))
@@ -157,7 +158,7 @@ def cost_model(steps, calib: tuple[float, float], global_batch: int, steady_from
             # each rank's largest move of its cost between consecutive epochs (relative), and that move in standard
             # errors of the two epochs' means (indicative: it takes the steps as independent, which bursts are not)
             "cost_move": move, "cost_move_z": move_z,
-            "epoch_best": {str(e): optimum(epoch(e)).tolist() for e in sorted(had)},  # each epoch's own best sizes
+            "epoch_best": {str(e): v.tolist() for e, v in epoch_best.items()},
             "size_changes": int((np.diff(sizes, axis=0) != 0).any(1).sum())}
 
 

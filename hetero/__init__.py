@@ -9,7 +9,7 @@ Three layers, each importing only the ones before it:
 from .core import __version__  # noqa: F401 - re-exported (__all__)
 
 _CORE = {"Balance": "balance", "BalancedBatchSampler": "sampler", "Decision": "records", "HeteroError": "agree",
-         "StepRecord": "records"}
+         "Position": "records", "StepRecord": "records"}
 __all__ = sorted([*_CORE, "BalanceCallback", "__version__"])
 
 

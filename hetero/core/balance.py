@@ -17,6 +17,7 @@ slow rank (emulator.py). The parts never call back up. Integrations reach the en
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
@@ -30,7 +31,7 @@ from .engine import Engine
 from .metrics import metrics as read_out
 from .plan import Plan, epoch_length
 from .probe import probe_all
-from .records import Decision, StepRecord
+from .records import Decision, Position, StepRecord
 from .rules import whole
 from .sampler import BalancedBatchSampler
 from .settings import Settings
@@ -102,9 +103,22 @@ class Balance:
         return self.engine.rank
 
     @property
-    def size(self) -> int:
+    def world(self) -> int:
         """The world size (ranks)."""
         return self.engine.world
+
+    @property
+    def size(self) -> int:
+        """Deprecated: `bal.world`, the world size."""
+        warnings.warn("hetero: Balance.size is deprecated: use bal.world", DeprecationWarning, stacklevel=2)
+        return self.world
+
+    @property
+    def workers(self) -> list[str] | None:
+        """Every rank's worker identity in rank order, gathered at attach (None before it): a worker's estimate is
+        kept under it across restarts and changes of world size."""
+        ids = self.engine.plan.identities
+        return None if ids is None else list(ids)
 
     # -- experiments: before attach ----------------------------------------------------------------------------
     def emulate(self, spec: str) -> None:
@@ -197,16 +211,44 @@ class Balance:
         """
         return self.engine.micro(batch_size)
 
-    def begin_step(self, step: int | None = None) -> np.ndarray:
+    def begin_step(self, step: int | None = None, *, from_loader: bool = False) -> np.ndarray:
         """Start a step by hand (a loop counting its own micro-batches, or an integration); `with bal.step():`
         calls it. Returns every rank's batch sizes for the step, in samples (this rank runs sizes[rank] // m
-        micro-batches with micro_batch m)."""
-        return self.engine.begin(step)
+        micro-batches with micro_batch m).
+
+        Args:
+            step: optional, checked against `bal.position.step` (the step this Balance runs next).
+            from_loader: the step's batch came from a loader (a framework's loop): hetero's sampler must have
+                handed it out, else one line says to pass batch_sampler=bal.batch_sampler(len(ds)).
+
+        Raises:
+            HeteroError: on every rank alike, for any rule of the step (a step begun twice, past the epoch, ...).
+        """
+        return self.engine.begin(step, from_loader=from_loader)
 
     def end_step(self) -> Decision | None:
         """End a step begun by hand, after the optimizer step. Every K steps and at the epoch's end it decides
         (collective); returns the decision, if one was made."""
         return self.engine.end()
+
+    def set_weight(self, weight: float) -> None:
+        """Replace the running step's gradient weight before its backward (begin sets b_i/B, m/B or 1/world): 1/world
+        where the loss is already normalised over every rank, or this rank's share of the step's valid tokens. The
+        ranks' weights of one step must sum to 1.
+
+        Raises:
+            HeteroError: no step is running.
+        """
+        self.engine.set_weight(weight)
+
+    def mark_backward(self) -> None:
+        """Optional, right after loss.backward(): backward's return ends this rank's wait in the all-reduce (the
+        step clock then counts what follows, the optimizer step, as compute).
+
+        Raises:
+            HeteroError: no step is running.
+        """
+        self.engine.mark_backward()
 
     @property
     def sync_now(self) -> bool:
@@ -233,8 +275,16 @@ class Balance:
         return self.engine.plan.last.tolist()
 
     @property
+    def position(self) -> Position:
+        """Where training is, the same on every rank: the epoch, the steps ended in it, the steps per epoch, the
+        global step and whether the epoch is complete (records.Position). A host reads it instead of counting:
+        a resumed Balance is where its state was saved."""
+        p = self.engine.plan
+        return Position(p.at.epoch, p.at.step, p.steps_per_epoch, p.global_step)
+
+    @property
     def global_step(self) -> int:
-        """Steps ended so far, over every epoch (a resumed Balance counts on from its state)."""
+        """Steps ended so far, over every epoch (a resumed Balance counts on from its state): position.global_step."""
         return self.engine.plan.global_step
 
     @property

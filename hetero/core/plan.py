@@ -29,7 +29,8 @@ from .step import Step
 
 FAR = -(1 << 62)    # the start of the first regime: before any step
 ENDLESS = 1 << 62   # steps_per_epoch of a loop without epochs (no batch_sampler): one epoch that never ends
-STATE_VERSION = 2   # state_dict's format: 2 holds the position and the window's observations itself
+STATE_VERSION = 3   # state_dict's format: 2 holds the position and the window's observations itself; 3 saves a
+                    # complete epoch as step = steps_per_epoch (2 saved it as step 0, which also meant "not begun")
 
 
 @dataclass(frozen=True)
@@ -233,14 +234,13 @@ class Plan:
         """Collective (between steps, on every rank): plain data for load_state_dict, the position included."""
         self._fold(coll)
         at = self.at
-        mid = at.started and 0 < at.step < (self.steps_per_epoch or ENDLESS)
         here = self.position(at.epoch, at.step)
         first = max((i for i, (start, _) in enumerate(self.regimes) if start <= here), default=0)
         # the regimes still in force from here on: a decision made before the checkpoint that takes effect after it
         # (DataLoader workers ran ahead) keeps the sizes the steps between were cut with
         regimes = [[None if start == FAR else start, b.state_dict()] for start, b in self.regimes[first:]]
         return {"version": STATE_VERSION, "balancer": self.balancer.state_dict(), "epoch": at.epoch,
-                "step": at.step if mid else 0, "global_step": self.global_step, "identities": self.identities,
+                "step": at.step if at.started else 0, "global_step": self.global_step, "identities": self.identities,
                 "steps_per_epoch": self.steps_per_epoch, "regimes": regimes}
 
     def load_state_dict(self, state: dict, identities: list[str] | None) -> None:
@@ -258,7 +258,8 @@ class Plan:
         if step and self.steps_per_epoch and spe not in (None, self.steps_per_epoch):
             raise ValueError(f"a mid-epoch state of an epoch of {spe} steps, but this epoch has "
                              f"{self.steps_per_epoch}: the data set or global_batch changed")
-        if step and not step < (self.steps_per_epoch or ENDLESS):
+        complete = state.get("version", 1) >= 3 and step == self.steps_per_epoch  # 3: every step of `epoch` ran
+        if step and not (step < (self.steps_per_epoch or ENDLESS) or complete):
             raise ValueError(f"a mid-epoch state at step {step} of an epoch of {self.steps_per_epoch} steps")
         self.global_step = whole("global_step", state["global_step"], 0)
         self.reset()
@@ -271,5 +272,6 @@ class Plan:
                 self.regimes.append((FAR if start is None else whole("regime start", start, 0), regime))
             self.last = self.regimes[0][1].sizes
         self._new_epoch()
-        # mid-epoch: the epoch goes on at `step` (set_epoch(epoch) then leaves it as it is)
+        # mid-epoch: the epoch goes on at `step` (set_epoch(epoch) then leaves it as it is); complete: set_epoch(epoch
+        # + 1) comes next
         self.at = At(epoch, step, bool(step))

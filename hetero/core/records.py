@@ -1,4 +1,4 @@
-"""The typed results of hetero.Balance: one finished step on a rank, and one rebalancing decision."""
+"""The typed values of hetero.Balance: where training is, one finished step on a rank, one rebalancing decision."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,3 +28,25 @@ class Decision:
     sizes: list[int]     # per-rank batch sizes from `effective` on
     shares: list[float]  # the balancer's shares (sum to 1)
     compute_s: list[float]  # per-rank mean compute seconds per step over the window decided on
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where training is (`bal.position`), the same on every rank: `step` steps of `epoch` have ended.
+
+    A host reads it instead of counting: the epoch to run next is `epoch + 1` once `epoch_complete`, else `epoch`
+    (a fresh Balance and an epoch resumed mid-way both run `epoch`), and the next step is `step`."""
+    epoch: int
+    step: int             # steps ended in `epoch` (0 <= step <= steps_per_epoch)
+    steps_per_epoch: int  # the epoch's steps, what a learning-rate schedule is sized by (0: a loop without epochs)
+    global_step: int      # steps ended over every epoch (a resumed Balance counts on from its state)
+
+    @property
+    def epoch_complete(self) -> bool:
+        """Every step of `epoch` has ended: the next step is step 0 of epoch + 1."""
+        return self.steps_per_epoch > 0 and self.step >= self.steps_per_epoch
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the loop runs next: `epoch + 1` once it is complete, else `epoch`."""
+        return self.epoch + self.epoch_complete

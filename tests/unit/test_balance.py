@@ -211,3 +211,51 @@ def test_a_rank_under_a_cfs_quota_is_decided_on_at_the_rate_its_quota_sustains(m
         assert bal.last_sizes == [24, 8] and state["quota_s"] == [None, pytest.approx(0.1 / 3)]
     else:
         assert bal.last_sizes == [16, 16] and state["quota_s"] is None
+
+
+def test_position_says_where_training_is_and_a_resume_loads_it_as_saved(monkeypatch):
+    """bal.position is the one place a host reads where training is: (epoch e, step 0) before the epoch's first step
+    and (e, steps_per_epoch) once it is complete are told apart, also after a state_dict round trip."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    bal = hetero.Balance(global_batch=8)
+    sampler = bal.batch_sampler(30)  # 3 steps of 8 (6 samples left out)
+    assert bal.position == hetero.Position(0, 0, 3, 0) and not bal.position.epoch_complete
+    bal.set_epoch(0)
+    for i, batch in enumerate(sampler):
+        with bal.step(batch_size=len(batch)):
+            pass
+        assert (bal.position.step, bal.position.global_step) == (i + 1, i + 1)
+    done = bal.position
+    assert done.epoch_complete and done.next_epoch == 1 and done.steps_per_epoch == 3
+    again = hetero.Balance(global_batch=8)
+    again.batch_sampler(30)
+    again.load_state_dict(bal.state_dict())
+    assert again.position == done  # complete: not "epoch 0, nothing run"
+    again.set_epoch(again.position.next_epoch)
+    assert again.position == hetero.Position(1, 0, 3, 3)
+    with again.step(batch_size=8):
+        pass
+    mid = hetero.Balance(global_batch=8)
+    mid.batch_sampler(30)
+    mid.load_state_dict(again.state_dict())
+    assert mid.position == hetero.Position(1, 1, 3, 4) and mid.position.next_epoch == 1
+    mid.set_epoch(1)  # the epoch goes on at step 1
+    assert [len(b) for b in mid.batch_sampler(30)] == [8, 8]
+
+
+def test_the_front_carries_what_hosts_need(monkeypatch):
+    """set_weight and mark_backward on the front (no `bal.engine`), world beside rank, workers after attach only."""
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    bal = hetero.Balance(global_batch=4)
+    assert (bal.rank, bal.world, bal.workers) == (0, 1, None)
+    with pytest.warns(DeprecationWarning, match="bal.world"):
+        assert bal.size == 1
+    with pytest.raises(hetero.HeteroError, match="outside `with bal.step"):
+        bal.set_weight(0.5)
+    bal.begin_step()
+    bal.set_weight(0.5)
+    bal.mark_backward()
+    bal.end_step()
+    assert bal.position.global_step == 1

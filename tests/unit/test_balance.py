@@ -40,7 +40,7 @@ def test_a_loader_built_before_the_world_is_bound_reads_that_world(monkeypatch):
     bal.set_world(1, 2)
     bal.set_epoch(0)
     batches = list(sampler)
-    assert len(sampler) == len(batches) == 3 and bal.size == 2
+    assert len(sampler) == len(batches) == 3 and bal.world == 2
     assert batches[0] == EpochPlan(100, 32, 4, 0).perm[16:32].tolist()  # rank 1's half of step 0's window
 
 
@@ -234,8 +234,8 @@ def test_position_says_where_training_is_and_a_resume_loads_it_as_saved(monkeypa
     assert again.position == done  # complete: not "epoch 0, nothing run"
     again.set_epoch(again.position.next_epoch)
     assert again.position == hetero.Position(1, 0, 3, 3)
-    with again.step(batch_size=8):
-        pass
+    again.begin_step(0)
+    again.end_step()
     mid = hetero.Balance(global_batch=8)
     mid.batch_sampler(30)
     mid.load_state_dict(again.state_dict())
@@ -248,7 +248,7 @@ def test_the_front_carries_what_hosts_need(monkeypatch):
     """set_weight and mark_backward on the front (no `bal.engine`), world beside rank, workers after attach only."""
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    bal = hetero.Balance(global_batch=4)
+    bal = hetero.Balance(global_batch=4, rebalance_every=2)
     assert (bal.rank, bal.world, bal.workers) == (0, 1, None)
     with pytest.warns(DeprecationWarning, match="bal.world"):
         assert bal.size == 1

@@ -151,7 +151,7 @@ def main(args) -> int:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                    sizes[str(bal.global_step)] = bal.last_sizes
+                    sizes[str(bal.position.global_step)] = bal.last_sizes
             seen[str(epoch)] += idx.tolist()
             total += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
         dist.all_reduce(total)

@@ -66,16 +66,17 @@ def train_fn(cfg: dict) -> None:
     bal.attach(ddp)  # gradient weight b_i/B, the step clock, the emulated delay
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))
     opt = make_optimizer(model, cfg["lr"])
-    if (state := ckpt.resume(bal, len(ds))) is not None:
+    if (state := ckpt.resume(bal)) is not None:  # the Balance goes on where it was saved
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
     record = cfg["record"]
     log = open(f"{record}.start{ckpt.restarts}.rank{rank}.jsonl", "a") if record else None
     seen, ran = {}, 0
-    for epoch in range(ckpt.epoch, cfg["epochs"]):
+    for epoch in range(bal.position.next_epoch, cfg["epochs"]):
         bal.set_epoch(epoch)
         seen[epoch], total, n = [], 0.0, 0
         for x, y, idx in loader:
+            step = bal.position.step  # the step this batch is
             x, y = x.to(device), y.to(device)
             with bal.step():
                 loss = F.cross_entropy(ddp(x), y)
@@ -86,7 +87,7 @@ def train_fn(cfg: dict) -> None:
             total, n = total + loss.item() * len(y), n + len(y)
             if log:  # one line per step: what it consumed, when, and (the first few) the parameters after it
                 row = {"start": ckpt.restarts, "rank": rank, "worker": me, "pid": os.getpid(), "epoch": epoch,
-                       "step": ckpt.step, "idx": idx.tolist(), "sizes": bal.last_sizes, "t": time.time()}
+                       "step": step, "idx": idx.tolist(), "sizes": bal.last_sizes, "t": time.time()}
                 if ran < cfg["record_params"]:
                     row["params"] = [p.detach().flatten().tolist() for p in model.parameters()]
                 log.write(json.dumps(row) + "\n")

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from .agree import HeteroError, gather_identities
-from .engine import Engine, emulated
+from .agree import HeteroError
+from .engine import Engine, build, emulated
 from .guard import OptimizerGuard
 from .hook import balance_hook
 from .rules import whole
 from .settings import Settings
-from .settle import settle
 
 
 def bind(current: Engine | None, settings: Settings, rank: int, world: int, hetero: str,
@@ -28,54 +26,51 @@ def bind(current: Engine | None, settings: Settings, rank: int, world: int, hete
     """The engine of rank `rank` in a world of `world` (the current one if it is that world's); `length`: the
     epoch's n_samples given before the world was known (0: none yet)."""
     if current is not None:
-        if (rank, world) != (current.rank, current.world):
-            raise HeteroError(f"hetero: this Balance was already used as rank {current.rank} of {current.world}, "
-                              f"but the launcher says rank {rank} of {world}: build it in the launched process")
+        p = current.plan
+        if (rank, world) != (p.rank, p.world):
+            raise HeteroError(f"hetero: this Balance was already used as rank {p.rank} of {p.world}, but the "
+                              f"launcher says rank {rank} of {world}: build it in the launched process")
         return current
     rank, world = whole("rank", rank, 0), whole("world", world, 1)
     if rank >= world:
         raise ValueError(f"rank {rank} outside a world of {world}")
-    e = Engine.build(settings, rank, world, hetero, replay)
+    e = build(settings, rank, world, hetero, replay)
     if length:
-        e.plan.set_length(length)
+        e.plan.schedule.set_length(length)
     return e
 
 
 def attach(e: Engine, model: torch.nn.Module, probed: bool) -> OptimizerGuard:
     """The parts installed on `model` (a DDP model or an FSDP2 root); returns the optimizer guard."""
-    if e.model is not None:
+    if e.link.model is not None:
         raise HeteroError("hetero: this Balance is attached already (one Balance per model): build a new Balance "
                           "for another model")
-    if any(e.plan.probes) and not probed:
+    if any(e.plan.schedule.probes) and not probed:
         raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
     from . import fsdp  # torch only; refuses FSDP1, DDP around FSDP2, a non-root, ...
 
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, e.world):
-        e.fsdp = fsdp.attach(e, model)
-    settle.collectives()  # this process runs collectives: its exit waits for gloo's threads (settle.py)
-    e.device = next(model.parameters()).device
-    e.coll = e.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    e.agree("attach")
-    e.plan.identities = gather_identities(e.settings.worker_id, e.device, e.coll)
-    if e.fsdp is None:
+    schedule = None
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, e.plan.world):
+        schedule = fsdp.attach(e, model)
+    e.connect(model, schedule)
+    if schedule is None:
         model.register_comm_hook(e, balance_hook)
     model.register_forward_pre_hook(e.count_forward)
-    guard = OptimizerGuard(e, model)
-    e.model = model
-    return guard
+    return OptimizerGuard(e, model)
 
 
 def plug(e: Engine | None, what: str, hetero: str | None = None,
-         replay: dict[int, np.ndarray] | None = None) -> None:
-    """The emulation spec or the recorded sizes into a bound engine (None: the world is not bound yet, and
-    Engine.build takes them then); refused once attached."""
+         replay: dict[int, np.ndarray] | None = None) -> Engine | None:
+    """The emulation spec or the recorded sizes into a bound engine (None: the world is not bound yet, and build
+    takes them then); refused once attached. Returns the engine to use from now on (an emulation spec makes a new
+    one over the same plan)."""
     if e is None:
-        return
-    if e.model is not None:
+        return None
+    if e.link.model is not None:
         raise HeteroError(f"hetero: {what}() after attach: plug it in before bal.attach(model)")
-    if hetero is not None:
-        e.emulator, e.hetero = emulated(hetero, e.rank, e.world, e.settings.seed), hetero
-        if e.plan.at.started:  # plugged in mid-run: its draws follow the epoch already started
-            e.emulator.start_epoch(e.plan.at.epoch)
     if replay is not None:
-        e.plan.replayed = replay
+        e.plan.schedule.replayed = replay
+    if hetero is not None:
+        p = e.plan
+        return Engine(p, emulated(hetero, p.rank, p.world, p.settings.seed), hetero)
+    return e

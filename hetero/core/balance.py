@@ -10,14 +10,14 @@
                 F.cross_entropy(ddp(x), y).backward(); opt.step(); opt.zero_grad()
 
 The Balance is the front: it keeps the user's verbs and builds the parts beneath it when the world is known (the
-process group, torchrun's RANK and WORLD_SIZE, or the Lightning callback's `set_world`): the plan of sizes,
-position, window and balancer (plan.py), the step engine that every door runs through (engine.py), the emulated
-slow rank (emulator.py). The parts never call back up. Integrations reach the engine as `bal.engine` (its
-`begin`, `end`, `set_weight`, `running`), the one documented extension surface.
+process group, torchrun's RANK and WORLD_SIZE, or the Lightning callback's `set_world`): the plan (plan.py: the
+position, the schedule of sizes, the window and the balancer), the step engine that every door runs through
+(engine.py) with its emulated slow rank (emulator.py). The parts never call back up. Hosts read where training is
+from `bal.position` and set a step's weight with `bal.set_weight`; an integration's loop reaches the engine as
+`bal.engine` for three verbs only, `micro`, `running` and `count_forward` (docs/api.md: the extension surface).
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
@@ -29,11 +29,12 @@ from .attach import attach, bind, plug
 from .emulator import parse_hetero
 from .engine import Engine
 from .metrics import metrics as read_out
-from .plan import Plan, epoch_length
+from .plan import Plan
 from .probe import probe_all
 from .records import Decision, Position, StepRecord
 from .rules import whole
 from .sampler import BalancedBatchSampler
+from .schedule import epoch_length
 from .settings import Settings
 
 __all__ = ["Balance"]
@@ -91,7 +92,8 @@ class Balance:
 
     @property
     def engine(self) -> Engine:
-        """The step engine (engine.py): the extension surface of integrations; binds the world when first used.
+        """The step engine (engine.py); binds the world when first used. Integrations call three of its verbs, the
+        extension surface: `micro(batch_size, ends_step)`, `running(required)` and `count_forward(module, args)`.
         A world that cannot be read (WORLD_SIZE without RANK or a process group) is refused, never guessed."""
         if self._engine is None:
             self.set_world(*lone_world())
@@ -100,23 +102,16 @@ class Balance:
     @property
     def rank(self) -> int:
         """This process's global rank."""
-        return self.engine.rank
+        return self.engine.plan.rank
 
     @property
     def world(self) -> int:
         """The world size (ranks)."""
-        return self.engine.world
-
-    @property
-    def size(self) -> int:
-        """Deprecated: `bal.world`, the world size."""
-        warnings.warn("hetero: Balance.size is deprecated: use bal.world", DeprecationWarning, stacklevel=2)
-        return self.world
+        return self.engine.plan.world
 
     @property
     def workers(self) -> list[str] | None:
-        """Every rank's worker identity in rank order, gathered at attach (None before it): a worker's estimate is
-        kept under it across restarts and changes of world size."""
+        """Every rank's worker identity (its estimate's key across restarts), in rank order; None before attach."""
         ids = self.engine.plan.identities
         return None if ids is None else list(ids)
 
@@ -132,7 +127,7 @@ class Balance:
         if not isinstance(spec, str):
             raise ValueError(f"hetero must be a string such as '1:slowdown=3' (got {spec!r})")
         parse_hetero(spec)  # a bad spec fails here, in one line
-        plug(self._engine, "emulate", hetero=spec)  # unbound: Engine.build takes it (Lightning: in setup)
+        self._engine = plug(self._engine, "emulate", hetero=spec)  # unbound: bind takes it (Lightning: in setup)
         self._hetero = spec
 
     def replay(self, sizes: dict[int, np.ndarray]) -> None:
@@ -141,7 +136,7 @@ class Balance:
         Raises:
             HeteroError: called after attach.
         """
-        plug(self._engine, "replay", replay=sizes)
+        self._engine = plug(self._engine, "replay", replay=sizes)
         self._replay = sizes
 
     # -- set-up ----------------------------------------------------------------------------------------------
@@ -183,7 +178,7 @@ class Balance:
         """
         self._length = epoch_length(self.settings, n_samples)  # the world may bind later (Lightning's launcher)
         if self._engine is not None:
-            self._engine.plan.set_length(n_samples)
+            self._engine.plan.schedule.set_length(n_samples)
         return BalancedBatchSampler(self._plan, self._length, self.settings.seed if seed is None else
                                     whole("seed", seed, 0), self.set_epoch)
 
@@ -213,16 +208,11 @@ class Balance:
 
     def begin_step(self, step: int | None = None, *, from_loader: bool = False) -> np.ndarray:
         """Start a step by hand (a loop counting its own micro-batches, or an integration); `with bal.step():`
-        calls it. Returns every rank's batch sizes for the step, in samples (this rank runs sizes[rank] // m
-        micro-batches with micro_batch m).
+        calls it. Returns every rank's batch sizes for the step, in samples (k_i = sizes[rank] // m).
 
         Args:
-            step: optional, checked against `bal.position.step` (the step this Balance runs next).
-            from_loader: the step's batch came from a loader (a framework's loop): hetero's sampler must have
-                handed it out, else one line says to pass batch_sampler=bal.batch_sampler(len(ds)).
-
-        Raises:
-            HeteroError: on every rank alike, for any rule of the step (a step begun twice, past the epoch, ...).
+            step: optional, checked against `bal.position.step`.
+            from_loader: the batch came from a framework's loader: hetero's sampler must have handed it out.
         """
         return self.engine.begin(step, from_loader=from_loader)
 
@@ -232,60 +222,46 @@ class Balance:
         return self.engine.end()
 
     def set_weight(self, weight: float) -> None:
-        """Replace the running step's gradient weight before its backward (begin sets b_i/B, m/B or 1/world): 1/world
-        where the loss is already normalised over every rank, or this rank's share of the step's valid tokens. The
-        ranks' weights of one step must sum to 1.
-
-        Raises:
-            HeteroError: no step is running.
+        """Replace the running step's gradient weight (b_i/B, m/B or 1/world) before its backward: 1/world for a
+        loss already normalised over every rank, or this rank's share of the step's valid tokens (sum 1 over ranks).
         """
-        self.engine.set_weight(weight)
+        self.engine.running().weight = float(weight)
 
     def mark_backward(self) -> None:
-        """Optional, right after loss.backward(): backward's return ends this rank's wait in the all-reduce (the
-        step clock then counts what follows, the optimizer step, as compute).
-
-        Raises:
-            HeteroError: no step is running.
-        """
-        self.engine.mark_backward()
+        """Optional, right after loss.backward(): the all-reduce's wait ends there (what follows counts as compute)."""
+        self.engine.running().clock.mark("returned")
 
     @property
     def sync_now(self) -> bool:
         """The micro-batch running now (or next) all-reduces: step the optimizer after its backward."""
-        return self.engine.sync_now
+        return self.engine.link.sync_now
 
     @property
     def micro_batches(self) -> int:
         """This rank's micro-batches in the current step (the next one, between steps); 1 without micro_batch."""
         e, m = self.engine, self.settings.micro_batch
-        if e.step is not None:
-            return e.step.expected
-        return int(self.sizes_at(e.plan.at.epoch, e.plan.at.step)[e.rank]) // m if m else 1
+        if (s := e.running(required=False)) is not None:
+            return s.expected
+        at = e.plan.at
+        return int(self.sizes_at(at.epoch, at.step)[e.plan.rank]) // m if m else 1
 
     # -- what a user reads -----------------------------------------------------------------------------------
     def sizes_at(self, epoch: int, step: int) -> np.ndarray:
         """Every rank's batch size in samples at this step (sum = global batch); the same on every rank, and fixed
         once asked for."""
-        return self.engine.plan.sizes_at(epoch, step)
+        return self.engine.plan.schedule.sizes_at(epoch, step)
 
     @property
     def last_sizes(self) -> list[int]:
         """Every rank's batch size at the latest step begun."""
-        return self.engine.plan.last.tolist()
+        return self.engine.plan.schedule.last.tolist()
 
     @property
     def position(self) -> Position:
-        """Where training is, the same on every rank: the epoch, the steps ended in it, the steps per epoch, the
-        global step and whether the epoch is complete (records.Position). A host reads it instead of counting:
-        a resumed Balance is where its state was saved."""
+        """Where training is, the same on every rank (records.Position): hosts read it instead of counting; a
+        resumed Balance is where its state was saved."""
         p = self.engine.plan
-        return Position(p.at.epoch, p.at.step, p.steps_per_epoch, p.global_step)
-
-    @property
-    def global_step(self) -> int:
-        """Steps ended so far, over every epoch (a resumed Balance counts on from its state): position.global_step."""
-        return self.engine.plan.global_step
+        return Position(p.at.epoch, p.at.step, p.schedule.steps_per_epoch, p.at.global_step)
 
     @property
     def decisions(self) -> list[Decision]:
@@ -310,9 +286,9 @@ class Balance:
             HeteroError: called inside a step.
         """
         e = self.engine
-        if e.step is not None:
+        if e.running(required=False) is not None:
             raise HeteroError("hetero: state_dict() inside a step: take it between steps (after end_step)")
-        return e.plan.state_dict(e.coll)
+        return e.plan.state_dict(e.link.coll)
 
     def load_state_dict(self, state: dict, identities: list[str] | None = None) -> None:
         """Resume from state_dict(), at its epoch and step (the sampler starts there). A state saved by another
@@ -324,13 +300,11 @@ class Balance:
         Raises:
             ValueError: a state that does not fit (its world's identities, or its position past the epoch).
         """
-        e = self.engine
-        e.plan.load_state_dict(state, identities or e.plan.identities)
-        if e.plan.at.started:  # mid-epoch: the emulator's draws follow the epoch
-            e.emulator.start_epoch(e.plan.at.epoch)
+        plan = self.engine.plan
+        plan.load_state_dict(state, identities or plan.identities)
 
     def __getstate__(self) -> dict:  # Lightning's ddp_spawn pickles the callback (before attach: no guard yet)
-        if self._engine is not None and self._engine.model is not None:
+        if self._engine is not None and self._engine.link.model is not None:
             raise HeteroError("hetero: an attached Balance cannot be pickled: build it before the launcher starts "
                               "the processes, and attach it in each")
         return self.__dict__

@@ -119,8 +119,8 @@ class WeightedReduceScatter(_Timed, ReduceScatter or object):
         try:
             work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         except Exception:
-            if self.engine.collective_failed():  # a peer stopped and said why
-                raise HeteroError(self.engine.peer_failed) from None
+            if self.engine.link.collective_failed():  # a peer stopped and said why
+                raise HeteroError(self.engine.link.peer_failed) from None
             raise
         if last:
             step.clock.mark("returned")
@@ -137,8 +137,8 @@ class TimedAllGather(_Timed, AllGather or object):
         try:
             work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
         except Exception:
-            if self.engine.collective_failed():  # a peer stopped and said why
-                raise HeteroError(self.engine.peer_failed) from None
+            if self.engine.link.collective_failed():  # a peer stopped and said why
+                raise HeteroError(self.engine.link.peer_failed) from None
             raise
         self.held(t0)
         return work
@@ -160,7 +160,7 @@ class FSDPSchedule:
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo refuses PREMUL_SUM)
             m.set_custom_reduce_scatter(reduce_scatter)
             m.set_custom_all_gather(all_gather)
-        self.micro = bool(engine.settings.micro_batch)
+        self.micro = bool(engine.plan.settings.micro_batch)
         if self.micro:
             model.set_reshard_after_forward(False)  # recurses; no forward all-gathers, whatever k_i
 
@@ -185,7 +185,7 @@ def _own_params(module: nn.Module) -> list[nn.Parameter]:
 
 def attach(engine: Engine, model: nn.Module) -> FSDPSchedule:
     """Install hetero on an FSDP2 root; raises ValueError with one line for what it refuses (on every rank)."""
-    if (why := refusal(model, engine.world)) is not None:
+    if (why := refusal(model, engine.plan.world)) is not None:
         raise ValueError(why)
     schedule = FSDPSchedule(engine, model)
 

@@ -8,7 +8,7 @@ process group's store so the other ranks, whose collectives then fail, raise the
 - in micro-batch mode, an optimizer step after more than one step of the schedule (a loop running more). A
   `zero_grad(set_to_none=True)` resets the count, so a step a GradScaler skipped is not refused;
 - an optimizer step after this rank's gradient collective failed because a peer stopped: the peer's line.
-It reads the step engine's flags (engine.py), never the Balance.
+It reads the flags the step engine shares with it (its link, link.py), never the Balance.
 """
 from __future__ import annotations
 
@@ -37,15 +37,16 @@ class OptimizerGuard:
         e = self._engine()
         if not owns or e is None:
             return
-        if e.peer_failed:
-            raise HeteroError(e.peer_failed)
-        s, epoch = e.step, e.plan.at.epoch
-        if e.unsynced and s is not None:
-            refuse(f"hetero: rank {e.rank} stepped its optimizer after {s.expected - s.left} of its {s.expected} "
+        link, p = e.link, e.plan
+        if link.peer_failed:
+            raise HeteroError(link.peer_failed)
+        s, epoch = e.running(required=False), p.at.epoch
+        if link.unsynced and s is not None:
+            refuse(f"hetero: rank {p.rank} stepped its optimizer after {s.expected - s.left} of its {s.expected} "
                    f"micro-batches at step {s.index} of epoch {epoch}, on gradients that were not all-reduced: "
                    f"run bal.micro_batches micro-batches per step (or use the loader's batches)")
-        if e.settings.micro_batch and e.since_opt > 1:
-            refuse(f"hetero: rank {e.rank} ran {e.since_opt} steps of the schedule (their micro-batches) before "
+        if p.settings.micro_batch and link.since_opt > 1:
+            refuse(f"hetero: rank {p.rank} ran {link.since_opt} steps of the schedule (their micro-batches) before "
                    f"one optimizer step, at epoch {epoch}: run bal.micro_batches micro-batches per step, then step "
                    f"the optimizer")
-        e.since_opt = 0
+        link.since_opt = 0

@@ -33,11 +33,11 @@ def balance_hook(engine: Engine, bucket: dist.GradBucket) -> torch.futures.Futur
         try:
             return f.value()[0]
         except Exception:
-            if engine.collective_failed():  # a peer stopped and said why: raised at the optimizer step
+            if engine.link.collective_failed():  # a peer stopped and said why: raised at the optimizer step
                 return buf
             raise
     def stopped(why: str) -> None:  # a peer refused while this rank waited: raised at the optimizer step or end
-        engine.peer_failed = engine.peer_failed or why
+        engine.link.peer_failed = engine.link.peer_failed or why
     settle.track(done)
     return watched(fut.then(done), buf, stopped)
 

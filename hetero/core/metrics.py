@@ -72,7 +72,7 @@ def _catch_up(bal, seen: _Seen) -> None:
         seen.last_sizes = list(d.sizes)
     missed = len(decisions) - seen.decisions > 1
     seen.before = None if missed or seen.predicted is None else seen.predicted[0]
-    seen.predicted = predicted(bal.engine.plan.balancer)  # the plan's balancer: the cost model lives there
+    seen.predicted = predicted(bal.engine.plan._balancer)  # the plan's balancer: the cost model lives there
     seen.decisions = len(decisions)
 
 
@@ -82,7 +82,7 @@ def watch(bal) -> _Seen:
     after every step, so no decision's prediction is passed over."""
     seen = _SEEN.get(bal)
     if seen is None:  # first seen: the sizes in force now are those before its next decision (if none yet)
-        seen = _SEEN[bal] = _Seen(last_sizes=None if bal.decisions else bal.engine.plan.balancer.sizes.tolist())
+        seen = _SEEN[bal] = _Seen(last_sizes=None if bal.decisions else bal.engine.plan._balancer.sizes.tolist())
     _catch_up(bal, seen)
     return seen
 
@@ -91,7 +91,7 @@ def metrics(bal, per_rank: bool | None = None) -> dict[str, float]:
     """This Balance's read-out as {"hetero/...": float} (module docstring); no collective, cheap enough for every
     step. per_rank: list every rank's keys (None: when the world has at most PER_RANK_MAX ranks)."""
     seen = watch(bal)
-    rank, world, B = bal.rank, bal.size, bal.settings.global_batch
+    rank, world, B = bal.rank, bal.world, bal.settings.global_batch
     sizes = bal.last_sizes
     many = world <= PER_RANK_MAX if per_rank is None else per_rank
     out = {f"{PREFIX}batch_size": float(sizes[rank]), f"{PREFIX}share": sizes[rank] / B,

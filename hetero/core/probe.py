@@ -26,7 +26,7 @@ def probe_all(plan: Plan, model: torch.nn.Module, sample_shape: tuple[int, ...],
         gpu = gpu_identity(torch.cuda.get_device_properties(device), device.index or 0)
     own, err = float("inf"), ""
     s = plan.settings
-    if plan.probes[plan.rank]:
+    if plan.schedule.probes[plan.rank]:
         m = s.micro_batch
         try:
             own = probe_max_batch(model, sample_shape, classes, device, lo=min(s.min_batch, m or s.min_batch),
@@ -40,7 +40,7 @@ def probe_all(plan: Plan, model: torch.nn.Module, sample_shape: tuple[int, ...],
         rows = guarded(gather_json, row, coll)
     else:
         rows = [row]
-    if shared := shared_gpus([(r["host"], r["device"], r["gpu"]) for r in rows], plan.probes):
+    if shared := shared_gpus([(r["host"], r["device"], r["gpu"]) for r in rows], plan.schedule.probes):
         g = shared[0]
         raise HeteroError(f"hetero: max_batch \"probe\" needs a GPU of its own per rank: ranks "
                           f"{', '.join(map(str, g))} share {rows[g[0]]['device']} on {rows[g[0]]['host']}; give "
@@ -48,9 +48,9 @@ def probe_all(plan: Plan, model: torch.nn.Module, sample_shape: tuple[int, ...],
     if failed := [r for r, row in enumerate(rows) if row["error"]]:
         raise HeteroError(f"hetero: the largest-batch probe failed on rank {failed[0]}: {rows[failed[0]]['error']}")
     probed = [float("inf") if r["limit"] is None else float(r["limit"]) for r in rows]
-    limits = [p if pr else c for p, pr, c in zip(probed, plan.probes, plan.configured)]
+    limits = [p if pr else c for p, pr, c in zip(probed, plan.schedule.probes, plan.schedule.configured)]
     try:
-        plan.bound(limits)  # the sizes start afresh within them
+        plan.schedule.bound(limits)  # the sizes start afresh within them
     except ValueError as e:
         raise HeteroError(f"hetero: after the probe, {e}") from None
     return limits

@@ -55,11 +55,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         """Batches per epoch; with micro-batches at most this many: a rank's count may grow at any decision, and a
         loader stopped at its length (Lightning stops it there) must not cut a step short."""
         p = self._plan()
-        m = p.settings.micro_batch
+        m, spe = p.settings.micro_batch, p.schedule.steps_per_epoch
         if not m:
-            return p.steps_per_epoch
+            return spe
         others = 0 if p.settings.sit_out else p.world - 1  # each other rank runs at least one micro-batch
-        return p.steps_per_epoch * max(1, p.settings.global_batch // m - others)
+        return spe * max(1, p.settings.global_batch // m - others)
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
         self._start_epoch(epoch)
@@ -71,10 +71,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def __iter__(self) -> Iterator[list[int]]:
         p = self._plan()
-        epoch = p.at.epoch
-        first = p.start_iteration(epoch)  # refuses a second pass; > 0 in an epoch resumed mid-way
-        plan = self.plan(epoch)
+        at, sched = p.at, p.schedule
+        # refuses a second pass; > 0 in an epoch resumed mid-way
+        first = sched.start_iteration(at.epoch, at.step if at.started else 0)
+        epoch, plan = at.epoch, self.plan(at.epoch)
         m = p.settings.micro_batch
         for step in range(first, plan.steps):
-            idx = plan.indices(step, p.sizes_at(epoch, step), p.rank).tolist()
+            idx = plan.indices(step, sched.sizes_at(epoch, step), p.rank).tolist()
             yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -70,7 +69,7 @@ class HeteroTrainer(Trainer):
     def _refuse(self) -> None:
         """One clear line for each Trainer setting hetero cannot honour (the same on every rank: no rank hangs)."""
         a, bal = self.args, self.balance
-        if bal.size < 2:
+        if bal.world < 2:
             raise ValueError("hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); "
                              "one process has nothing to balance: use transformers.Trainer")
         m, g = a.per_device_train_batch_size, a.gradient_accumulation_steps
@@ -81,9 +80,9 @@ class HeteroTrainer(Trainer):
         if bal.settings.micro_batch and bal.settings.micro_batch != m:
             raise ValueError(f"hetero: the Balance's micro_batch {bal.settings.micro_batch} must equal "
                              f"per_device_train_batch_size {m}: the Trainer's micro-batch")
-        if m * g * bal.size != bal.settings.global_batch:
+        if m * g * bal.world != bal.settings.global_batch:
             raise ValueError(f"hetero: per_device_train_batch_size x gradient_accumulation_steps x world ({m} x {g} "
-                             f"x {bal.size}) must equal the Balance's global_batch {bal.settings.global_batch}: the "
+                             f"x {bal.world}) must equal the Balance's global_batch {bal.settings.global_batch}: the "
                              f"plain Trainer's batch, which it logs and schedules with; hetero decides each "
                              f"rank's share")
         if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential"):
@@ -125,7 +124,7 @@ class HeteroTrainer(Trainer):
         # not accelerator.prepare(...): its BatchSamplerShard would give this rank every world-th of its own batches
         sampler = self.balance.batch_sampler(len(ds))
         if self.balance.settings.micro_batch:  # G entries per step for the Trainer's loop (hf_accumulate)
-            spe = self.balance.engine.plan.steps_per_epoch
+            spe = self.balance.position.steps_per_epoch
             sampler = hf_accumulate.StepLength(sampler, spe, a.gradient_accumulation_steps)
         # the Trainer's start method for workers too (dataloader_multiprocessing_context: "forkserver" forks no rank,
         # whose gloo threads enter Python; hetero/core/settle.py)
@@ -171,7 +170,7 @@ class HeteroTrainer(Trainer):
             n = torch.tensor([own], dtype=torch.float64, device=dev)
             total = n.clone()
             dist.all_reduce(total)
-            self._share = float(n / total) if total.item() else 1.0 / self.balance.size
+            self._share = float(n / total) if total.item() else 1.0 / self.balance.world
         if micro:
             return hf_accumulate.pack(batches, num_batches), num_items
         return batches, num_items
@@ -186,25 +185,21 @@ class HeteroTrainer(Trainer):
         bal = self.balance
         if self._loss_kind == "trainer":  # the loss divides by the Trainer's count
             if not bal.settings.weighted or self.args.average_tokens_across_devices:
-                return 1.0 / bal.size  # (a): the Trainer normalised over every rank; DDP's mean is exact
+                return 1.0 / bal.world  # (a): the Trainer normalised over every rank; DDP's mean is exact
             return self._share  # (b): this rank's share of the step's counted tokens
         # a mean over its own count: this rank's share of it, undoing the Trainer's world factor where applied
         share = self._share if self._share is not None else bal.last_sizes[bal.rank] / bal.settings.global_batch
         if not bal.settings.weighted:
-            share = 1.0 / bal.size
-        return share / (bal.size if self._scaled(num_items_in_batch) else 1)
+            share = 1.0 / bal.world
+        return share / (bal.world if self._scaled(num_items_in_batch) else 1)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         if inputs is hf_accumulate.PLACEHOLDER:  # one of the G - 1 empty entries of an accumulated step
             return torch.zeros((), device=self.args.device)
         bal = self.balance
         micro = inputs if isinstance(inputs, hf_accumulate.Micro) else [inputs]
-        rows, want = sum(hf_loss.rows(b) or 0 for b in micro), bal.last_sizes[bal.rank]
-        if rows != want:
-            raise RuntimeError(f"hetero: step got {rows} samples, the schedule says {want}: is the train "
-                               f"DataLoader HeteroTrainer's own?")
         weight = self.gradient_weight(micro[0], num_items_in_batch)
-        bal.engine.set_weight(weight)
+        bal.set_weight(weight)
         kind = self._loss_kind
         counts = [1.0] * len(micro) if kind == "trainer" else [hf_loss.count(b, kind) for b in micro]
         loss = torch.zeros((), device=self.args.device)
@@ -212,14 +207,13 @@ class HeteroTrainer(Trainer):
             # a mean's micro-batch counts by its share of this rank's count (the Trainer's own count already does)
             self._micro_scale = counts[j] / sum(counts) if kind != "trainer" else 1.0
             self.current_gradient_accumulation_steps = 1  # the weights carry the accumulation, not a division by G
-            if bal.engine.fsdp is not None:  # FSDP2: unsharded for the step, one reduce-scatter on the last
-                hf_fsdp.micro(bal, j, len(micro))
-            sync = j == len(micro) - 1 or bal.engine.fsdp is not None
-            with nullcontext() if sync else model.no_sync():  # DDP: one all-reduce, on the last micro-batch
+            # the core's one micro-batch door: the schedule's check, DDP's no_sync or FSDP2's schedule for all but
+            # the last; the callback ends the step after the optimizer step
+            with bal.engine.micro(hf_loss.rows(batch), ends_step=False):
                 loss = loss + super().training_step(model, batch, num_items_in_batch)
         self._micro_scale = 1.0
         # the Trainer logs the mean of the ranks' losses: scaled so, it is the weighted mean, the global batch's
-        return loss * (weight * bal.size)
+        return loss * (weight * bal.world)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Trainer.compute_loss, times this micro-batch's share of the rank's count (1 without accumulation)."""
@@ -238,7 +232,7 @@ class _BalanceSteps(TrainerCallback):
     """Attaches the Balance to the Trainer's DDP or FSDP2 model, brackets its optimizer steps and saves its state."""
 
     def __init__(self, trainer: HeteroTrainer):
-        self.trainer, self.epoch, self._ddp = trainer, 0, None
+        self.trainer, self._ddp = trainer, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         bal, ddp = self.trainer.balance, self.trainer.model_wrapped
@@ -254,26 +248,25 @@ class _BalanceSteps(TrainerCallback):
         if self.trainer._resumed is not None:  # after attach (the workers' identities) and the sampler (its length)
             hf_resume.restore(bal, self.trainer._resumed)
             self.trainer._resumed = None
-        self.epoch = state.global_step // bal.engine.plan.steps_per_epoch  # a resumed run starts inside its epoch
+        if bal.position.global_step != state.global_step:  # the Trainer and hetero count the same steps
+            raise ValueError(f"hetero: the Trainer is at step {state.global_step}, the Balance at step "
+                             f"{bal.position.global_step}: resume with train(resume_from_checkpoint=...) from a "
+                             f"checkpoint HeteroTrainer saved (its {STATE_NAME} holds the Balance)")
 
     def on_epoch_begin(self, args, state, control, **kwargs):
-        self.trainer.balance.set_epoch(self.epoch)  # before the Trainer iterates the loader
+        bal = self.trainer.balance
+        bal.set_epoch(bal.position.next_epoch)  # before the Trainer iterates the loader; a resumed epoch goes on
 
     def on_step_begin(self, args, state, control, **kwargs):
-        bal = self.trainer.balance
-        spe = bal.engine.plan.steps_per_epoch  # the batch is the sampler's: checked (engine.begin)
-        bal.engine.begin(state.global_step - self.epoch * spe, from_loader=True)
+        self.trainer.balance.begin_step(from_loader=True)  # the batch is the sampler's: checked
 
     def on_step_end(self, args, state, control, **kwargs):
         bal = self.trainer.balance
         bal.end_step()  # after the optimizer step; decides every K steps and at the epoch's end
         # the Trainer counts the epoch's fraction from its own batch counter, which a resume without its data skip
-        # (hf_resume) restarts at 0: the fraction from hetero's steps instead
-        spe = bal.engine.plan.steps_per_epoch
-        state.epoch = self.epoch + (state.global_step - self.epoch * spe) / spe
-
-    def on_epoch_end(self, args, state, control, **kwargs):
-        self.epoch += 1
+        # (hf_resume) restarts at 0: the fraction from hetero's position instead
+        pos = bal.position
+        state.epoch = pos.epoch + pos.step / pos.steps_per_epoch
 
     def on_save(self, args, state, control, **kwargs):
         saved = hf_resume.checkpoint(self.trainer.balance)  # every rank

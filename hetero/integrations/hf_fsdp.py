@@ -3,8 +3,9 @@ FSDP2 plugin (`fully_shard` on the wrapped layers, a tail group and the root), w
 (hetero.core.fsdp) in place of DDP's comm hook. What HeteroTrainer adds for it:
 
 - `Balance.attach` on the Trainer's FSDP2 root (its `model_wrapped`), which installs the weighted reduce-scatter;
-- with accumulation (micro_batch m), each of this rank's k_i micro-batches is opened with the core's FSDP schedule
-  (`micro`: the step's first unshards every module, only the last reduce-scatters) instead of DDP's no_sync;
+- with accumulation (micro_batch m), each of this rank's k_i micro-batches runs through the core's micro-batch door
+  (`bal.engine.micro`), which opens it with the FSDP2 schedule (the step's first unshards every module, only the
+  last reduce-scatters) where DDP takes no_sync;
 - the loss probe (hf_loss.decide) runs a different number of forwards on each rank, so it runs with every module
   unsharded once and kept so (`gathered`): no all-gather inside it.
 
@@ -20,7 +21,6 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..core import fsdp
-from ..core.balance import Balance
 
 CPU_REFUSAL = ("hetero: fsdp on CPU ranks: accelerate keeps its FSDP plugin only on accelerator devices "
                "(accelerate/state.py, AcceleratorState: CPU ranks are MULTI_CPU), so the Trainer would train DDP "
@@ -38,11 +38,6 @@ def refusal(trainer) -> str | None:
         return (f"hetero: fsdp_version {version} (FSDP1) is not supported: set fsdp_config "
                 f"{{\"fsdp_version\": 2}}, whose fully_shard reduce-scatter hetero weights")
     return None
-
-
-def micro(balance: Balance, j: int, k: int) -> None:
-    """Before micro-batch j of this rank's k (FSDP2's schedule; DDP takes no_sync instead)."""
-    balance.engine.fsdp.begin(first=j == 0, sync=j == k - 1)
 
 
 @contextmanager

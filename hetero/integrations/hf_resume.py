@@ -37,4 +37,10 @@ def read(folder: str) -> dict:
 
 def restore(bal: Balance, saved: dict) -> None:
     """Load the state (after attach and batch_sampler: the identities and the epoch length are known)."""
-    bal.load_state_dict(saved["balance"])
+    state = saved["balance"]
+    spe, old = state.get("steps_per_epoch"), state.get("version", 1) < 3
+    # a state of format 2 (before Balance states told a complete epoch apart) saved at an epoch's end reads "step 0
+    # of that epoch"; the Trainer's steps count whole epochs from 0, so its global step tells which it was
+    if old and not state.get("step") and spe and state["global_step"] == (state["epoch"] + 1) * spe:
+        state = {**state, "version": 3, "step": spe}
+    bal.load_state_dict(state)

@@ -72,13 +72,13 @@ class BalanceCallback(Callback):
             # rank's micro-batches. Every rank must run as many batches: Lightning broadcasts at each one
             # (training_epoch_loop.py, _broadcast_sigterm_tensor). So the epoch is the steps, with Lightning's own
             # val_check_batch rule (fit_loop.py, setup_data) applied to them.
-            steps = trainer.fit_loop.max_batches = self.balance.engine.plan.steps_per_epoch
+            steps = trainer.fit_loop.max_batches = self.balance.position.steps_per_epoch
             if isinstance(trainer.val_check_interval, float) and trainer.val_check_batch is not None:
                 trainer.val_check_batch = max(1, int(steps * trainer.val_check_interval))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         if not self.balance.settings.micro_batch:  # with micro_batch, `with bal.step()` begins the step
-            self.balance.engine.begin(batch_idx, from_loader=True)  # the batch is the sampler's: checked
+            self.balance.begin_step(batch_idx, from_loader=True)  # the batch is the sampler's: checked
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss) -> None:
         if self.balance.settings.micro_batch and self._ddp:

@@ -11,9 +11,9 @@ keyed by that identity, and checkpoints that carry the Balance through Ray's res
         bal.emulate(hetero_ray.for_this_world(config["hetero"], ckpt.workers or ids, ids))
         ddp = DDP(model.to(device)); bal.attach(ddp)
         loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))
-        if (state := ckpt.resume(bal, len(ds))) is not None:
+        if (state := ckpt.resume(bal)) is not None:            # the Balance goes on where it was saved
             model.load_state_dict(state["model"]); opt.load_state_dict(state["optimizer"])
-        for epoch in range(ckpt.epoch, epochs):
+        for epoch in range(bal.position.next_epoch, epochs):
             bal.set_epoch(epoch)
             for x, y in loader:
                 with bal.step(): ...
@@ -90,51 +90,54 @@ def by_worker(values: Mapping[str, object], now: list[str], default=None) -> lis
 
 
 class Checkpoints:
-    """The Balance, the step position and the restart count with the user's state, given to ray.train.report every
-    `every` steps and at each epoch's end, and read back from ray.train.get_checkpoint() at each start."""
+    """The Balance (its position included) and the restart count with the user's state, given to ray.train.report
+    every `every` steps and at each epoch's end, and read back from ray.train.get_checkpoint() at each start. Where
+    training is, is the Balance's `position`: a resumed start goes on at `bal.position.next_epoch`."""
 
     def __init__(self, every: int):
         """every: report a checkpoint every this many steps (also at every epoch's end); 0: at epoch ends only."""
         self.every = whole("every", every, 0)
         self.saved = _read()
         self.restarts = self.saved["restarts"] + 1 if self.saved else 0  # starts that resumed from a checkpoint
-        self.epoch, self.step = self.saved["position"] if self.saved else (0, 0)  # where this start goes on
         self.workers: list[str] | None = self.saved["workers"] if self.saved else None  # the first start's
-        self.resumed_at = (self.epoch, self.step) if self.saved else None
-        self._steps = 0  # per epoch, from resume
+        self.resumed_at: tuple[int, int] | None = None  # the (epoch, step) a resumed start runs first
+        self._resumed = False
 
-    def resume(self, bal: Balance, n_samples: int) -> dict | None:
-        """After bal.attach and bal.batch_sampler(n_samples): the saved Balance goes on at the saved step (carried
-        by identity to this start's ranks and world); returns the user's state (None on a first start)."""
-        self._steps = n_samples // bal.settings.global_batch
+    def resume(self, bal: Balance) -> dict | None:
+        """After bal.attach and bal.batch_sampler(len(ds)): the saved Balance goes on where it was saved (carried by
+        identity to this start's ranks and world); returns the user's state (None on a first start)."""
         if self.workers is None:
-            self.workers = list(bal.engine.plan.identities or [])
+            self.workers = bal.workers or []
+        self._resumed = True
         if not self.saved:
             return None
-        e, k = self.epoch, self.step
-        bal.load_state_dict({**self.saved["balance"], "epoch": e, "step": k})
+        state = self.saved["balance"]
+        if "position" in self.saved:  # written before the Balance's state held its own complete position
+            e, k = self.saved["position"]
+            state = {**state, "epoch": e, "step": k}
+        bal.load_state_dict(state)
+        pos = bal.position
+        self.resumed_at = (pos.next_epoch, 0 if pos.epoch_complete else pos.step)
         return self.saved["user"]
 
     def after_step(self, bal: Balance, metrics: dict, state: Callable[[], dict]) -> bool:
-        """Every worker, after each step: count it and, when due, report a checkpoint (collective; rank 0 writes it,
-        every worker calls ray.train.report, as Ray requires). state() gives the user's tensors. True: reported."""
-        if not self._steps:
-            raise RuntimeError("hetero: call ckpt.resume(bal, len(ds)) after bal.batch_sampler, before the first step")
-        self.step += 1
-        if self.step == self._steps:
-            self.epoch, self.step = self.epoch + 1, 0
-        if not (self.step == 0 or (self.every and self.step % self.every == 0)):
+        """Every worker, after each step: when due (read from bal.position), report a checkpoint (collective; rank 0
+        writes it, every worker calls ray.train.report, as Ray requires). state() gives the user's tensors. True:
+        reported."""
+        pos = bal.position
+        if not pos.steps_per_epoch or not self._resumed:
+            raise RuntimeError("hetero: call ckpt.resume(bal) after bal.batch_sampler(len(ds)), before the first step")
+        if not (pos.epoch_complete or (self.every and pos.step % self.every == 0)):
             return False
         balance = bal.state_dict()  # collective: complete mid-epoch (the steps since the last decision included)
-        payload = {"balance": balance, "position": [self.epoch, self.step], "restarts": self.restarts,
-                   "workers": self.workers, "user": state()}
+        payload = {"balance": balance, "restarts": self.restarts, "workers": self.workers, "user": state()}
         import ray.train
 
         if not dist.is_initialized() or dist.get_rank() == 0:
             with tempfile.TemporaryDirectory() as d:
                 torch.save(payload, Path(d) / FILE)
                 ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d),
-                                 checkpoint_dir_name=f"start{self.restarts}-epoch{self.epoch}-step{self.step}")
+                                 checkpoint_dir_name=f"start{self.restarts}-epoch{pos.epoch}-step{pos.step}")
         else:
             ray.train.report(metrics, checkpoint=None)
         return True

@@ -199,7 +199,7 @@ def check_checkpoint(cfg: Config, world_size: int, n_classes: int, steps_per_epo
             if buf is not None and (not isinstance(buf, torch.Tensor) or buf.shape != p.shape):
                 raise ValueError(f"a momentum buffer of shape {tuple(getattr(buf, 'shape', ()))} for a parameter of "
                                  f"shape {tuple(p.shape)}")
-        b = stand_in.balance.engine.plan.balancer
+        b = stand_in.balance.engine.plan._balancer
         if b.shares.shape != (world_size,) or b.sizes.shape != (world_size,) or not np.all(np.isfinite(b.shares)) \
                 or int(b.sizes.sum()) != cfg.global_batch or np.any(b.sizes < 0):
             raise ValueError(f"balancer shares {shown(b.shares.tolist())} and sizes {shown(b.sizes.tolist())} are not "

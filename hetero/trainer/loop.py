@@ -278,7 +278,7 @@ class Trainer:
                         loss = F.cross_entropy(out.float(), y) * counts
                     loss.backward()  # the hook all-reduces weight_i * g_i; an emulated delay is spent in it
                     if bal.sync_now:
-                        bal.engine.mark_backward()
+                        bal.mark_backward()
                         self.opt.step()
                         self.opt.zero_grad(set_to_none=True)
                 with torch.no_grad():

@@ -145,7 +145,7 @@ def _coverage_worker(rank: int, out: str, world: int) -> None:
                 if bal.sync_now:
                     opt.step()
                     opt.zero_grad()
-                    sizes[bal.global_step] = bal.last_sizes
+                    sizes[bal.position.global_step] = bal.last_sizes
             seen[epoch] += idx.tolist()
             lens.add(len(y))
     with open(f"{out}/rank{rank}.json", "w") as f:

@@ -70,7 +70,7 @@ def _train(case: str, world: int) -> dict:
     bal.set_epoch(0)
     lens, grad_dtypes = [], set()
     for x, y in loader:
-        if bal.global_step == STEPS:
+        if bal.position.global_step == STEPS:
             break
         with bal.step(batch_size=len(y)):
             F.cross_entropy(model(x).float(), y).backward()

@@ -96,7 +96,7 @@ class WrongWeight(HeteroTrainer):
 
     def gradient_weight(self, inputs, num_items_in_batch) -> float:
         bal = self.balance
-        return bal.last_sizes[bal.rank] / bal.settings.global_batch if self.wrong == "samples" else 1.0 / bal.size
+        return bal.last_sizes[bal.rank] / bal.settings.global_batch if self.wrong == "samples" else 1.0 / bal.world
 
 
 def _exact_worker(rank: int, out: str) -> None:

@@ -37,7 +37,7 @@ class Doubled(HeteroTrainer):
 
 class Removed(HeteroTrainer):
     def gradient_weight(self, inputs, num_items_in_batch) -> float:
-        return 1.0 / self.balance.size  # DDP's plain mean of what each rank accumulated
+        return 1.0 / self.balance.world  # DDP's plain mean of what each rank accumulated
 
 
 # name: (model, data, average_tokens_across_devices, compute_loss_func, trainer class)

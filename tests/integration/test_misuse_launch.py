@@ -144,7 +144,7 @@ def _limited_worker(rank: int, out: str) -> None:
             x, y, _ = zip(*(ds[i] for i in batch))
             with bal.step():
                 F.cross_entropy(ddp(torch.stack(x)), torch.tensor(y)).backward()
-    _write(out, rank, {"steps": bal.global_step})
+    _write(out, rank, {"steps": bal.position.global_step})
 
 
 def test_every_rank_leaving_early_alike_is_a_valid_run(tmp_path):

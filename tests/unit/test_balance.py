@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import hetero
-from hetero.core.plan import At
 from hetero.core.sampler import EpochPlan
 
 
@@ -81,20 +80,35 @@ def test_bad_settings_raise_one_clear_error(monkeypatch, kw, match):
         _balance(monkeypatch, 0, global_batch=16, **kw)
 
 
+def _window_sizes(bal, row) -> torch.Tensor:
+    """The sizes of the steps a fake gather's row covers ([compute x n, cpu x n, 4 more]): the last n records."""
+    n = (len(row) - 4) // 2
+    return torch.tensor(np.stack([r.sizes for r in bal.epoch_records()[-n:]]), dtype=torch.float64)
+
+
 def test_state_dict_loads_with_weights_only(monkeypatch):
-    bal = _balance(monkeypatch, 0, global_batch=32, scheme="affine")
-    plan = bal.engine.plan
-    plan.balancer.shares, plan.balancer.sizes = np.array([0.75, 0.25]), np.array([24, 8])
-    plan.global_step, plan.at, plan.balancer.decisions = 17, At(epoch=2), 3  # past its probing steps
-    plan.reset()  # the schedule from this balancer (a decision would add it as a regime)
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme="dp")
+    sampler = bal.batch_sampler(64)
+
+    def fake_gather(row, device):  # rank 1 3x slower per sample
+        sizes, tail = _window_sizes(bal, row), row[-4:]
+        t0, t1 = 1e-3 * sizes[:, 0], 3e-3 * sizes[:, 1]
+        return torch.stack([torch.cat([t0, t0, tail]), torch.cat([t1, t1, tail])])
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", fake_gather)
+    for epoch in range(2):
+        bal.set_epoch(epoch)
+        for batch in sampler:
+            with bal.step(batch_size=len(batch)):
+                pass
     buf = io.BytesIO()
     torch.save(bal.state_dict(), buf)
     buf.seek(0)
-    other = _balance(monkeypatch, 1, global_batch=32, scheme="affine")
-    other.load_state_dict(torch.load(buf, weights_only=True))
+    other = _balance(monkeypatch, 1, global_batch=32, scheme="dp")
     other.batch_sampler(64)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    assert other.position == bal.position == hetero.Position(1, 2, 2, 4)
     other.set_epoch(2)
-    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.global_step == 17
+    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.global_step == 4
 
 
 @pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])
@@ -104,8 +118,7 @@ def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     sampler = bal.batch_sampler(320)
 
     def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
-        plan = bal.engine.plan
-        sizes = torch.tensor(np.stack([r.sizes for r in plan.records[plan._window:]]), dtype=torch.float64)
+        sizes = _window_sizes(bal, row)
         tail = row[-4:]  # no quota, the pace, the sampler's position: as this rank measured them
         return torch.stack([torch.cat([1e-3 * sizes[:, 0], 1e-3 * sizes[:, 0], tail]),
                             torch.cat([3e-3 * sizes[:, 1], 3e-3 * sizes[:, 1], tail])])
@@ -127,7 +140,7 @@ def test_probe_on_cpu_ranks_sets_no_limit_and_attach_needs_it(monkeypatch):
     bal = _balance(monkeypatch, 0, global_batch=32, max_batch=["probe", 8])
     with pytest.raises(ValueError, match="call bal.probe"):
         bal.attach(torch.nn.Linear(2, 2))  # refused before anything touches the model
-    monkeypatch.setattr(hetero.core.attach.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(hetero.core.engine.dist, "get_backend", lambda: "gloo")
     monkeypatch.setattr(hetero.core.probe.dist, "is_initialized", lambda: True)  # rank 1, not probing, answers:
     monkeypatch.setattr(hetero.core.probe, "gather_json", lambda row, device: [row, {**row, "limit": None}])
     limits = bal.probe(torch.nn.Linear(2, 2), (2,), 2, torch.device("cpu"))
@@ -143,12 +156,12 @@ def test_replay_gives_the_recorded_sizes_and_decides_nothing(monkeypatch):
     bal = _balance(monkeypatch, 1, global_batch=8, scheme="edp", rebalance_every=1, replay=recorded)
     monkeypatch.setattr(hetero.core.plan, "gather_rows", lambda *a: pytest.fail("a replay gathers nothing"))
     bal.batch_sampler(24)
-    assert bal.engine.plan.steps_per_epoch == 3
+    assert bal.position.steps_per_epoch == 3
     for epoch in (1, 2):
         bal.set_epoch(epoch)
         for step in range(3):
             assert bal.begin_step(step).tolist() == recorded[epoch][step].tolist()
-            assert bal.engine.step.weight == recorded[epoch][step][1] / 8      # this rank's b_i / B
+            assert bal.engine.running().weight == recorded[epoch][step][1] / 8  # this rank's b_i / B
             bal.end_step()
         assert [r.sizes.tolist() for r in bal.epoch_records()] == recorded[epoch].tolist()
     assert bal.decisions == []
@@ -176,9 +189,9 @@ def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
     monkeypatch.setattr(hetero.core.engine.time, "sleep", slept.append)
     for step in range(2):
         bal.begin_step(step)
-        weight = bal.engine.step.weight
+        weight = bal.engine.running().weight
         bal.engine.gradients_ready()                                    # what the hook does when gradients are ready
-        bal.engine.mark_backward()
+        bal.mark_backward()
         bal.end_step()
         assert weight == (0.0 if step == 0 else 0.5)
     recs = bal.epoch_records()
@@ -195,8 +208,7 @@ def test_a_rank_under_a_cfs_quota_is_decided_on_at_the_rate_its_quota_sustains(m
     sampler = bal.batch_sampler(320)
 
     def fake_gather(row, device):  # [compute x n, cpu x n, quota_s, period_s, pace, handed] per rank
-        plan = bal.engine.plan
-        sizes = torch.tensor(np.stack([r.sizes for r in plan.records[plan._window:]]), dtype=torch.float64)
+        sizes = _window_sizes(bal, row)
         t0, t1 = 1e-3 * sizes[:, 0], 1e-3 * sizes[:, 1]
         q = torch.tensor([0.1 / 3, 0.1] if quota else [float("inf")] * 2, dtype=torch.float64)
         none = torch.tensor([float("inf")] * 2, dtype=torch.float64)
@@ -206,7 +218,7 @@ def test_a_rank_under_a_cfs_quota_is_decided_on_at_the_rate_its_quota_sustains(m
     for batch in sampler:
         with bal.step(batch_size=len(batch)):
             pass
-    state = bal.engine.plan.balancer.state_dict()
+    state = bal.state_dict()["balancer"]
     if quota:
         assert bal.last_sizes == [24, 8] and state["quota_s"] == [None, pytest.approx(0.1 / 3)]
     else:
@@ -250,8 +262,6 @@ def test_the_front_carries_what_hosts_need(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     bal = hetero.Balance(global_batch=4, rebalance_every=2)
     assert (bal.rank, bal.world, bal.workers) == (0, 1, None)
-    with pytest.warns(DeprecationWarning, match="bal.world"):
-        assert bal.size == 1
     with pytest.raises(hetero.HeteroError, match="outside `with bal.step"):
         bal.set_weight(0.5)
     bal.begin_step()

@@ -45,8 +45,8 @@ def test_a_known_worker_keeps_its_estimate_and_a_new_one_starts_from_the_median(
 def test_balance_loads_a_state_from_another_world_under_the_identity_rules():
     saved = Balance(global_batch=B, scheme="edp")
     saved.set_world(0, 2)
-    saved.engine.plan.balancer.load_state_dict(_measured(2, slow=1).state_dict())
-    state = {**saved.state_dict(), "identities": ["host/gpu A", "host/gpu B"]}
+    state = {**saved.state_dict(), "balancer": _measured(2, slow=1).state_dict(),
+             "identities": ["host/gpu A", "host/gpu B"]}
     bal = Balance(global_batch=B, scheme="edp")
     bal.set_world(0, 3)
     bal.load_state_dict(state, identities=["host/gpu B", "host/gpu C", "host/gpu A"])  # B (the slow one) is rank 0
@@ -71,7 +71,7 @@ def test_a_mid_epoch_state_goes_on_at_its_step():
     again.load_state_dict(state)
     again.set_epoch(1)  # the loop's own call at the epoch's start: the epoch goes on where it was
     again.begin_step()
-    assert again.engine.step.index == 3
+    assert again.engine.running().index == 3
     again.end_step()
     assert again.state_dict()["global_step"] == 4 and again.state_dict()["step"] == 4
 

@@ -127,13 +127,14 @@ def test_the_core_import_graph_has_no_cycle():
 
 
 def test_the_front_stays_thin():
-    """Issue 33: the Balance class holds the user's verbs and delegates; it stays under 250 lines (docstrings
-    included) and about 20 public names, the parts beneath it doing the work."""
+    """Issue 33: the Balance class holds the user's verbs and delegates, the parts beneath it doing the work. Issue
+    46 put the hosts' verbs on it (position, workers, world, set_weight, mark_backward; size and global_step went):
+    under 280 lines (docstrings included) and at most 26 public names."""
     import inspect
 
     from hetero import Balance
 
     lines, _ = inspect.getsourcelines(Balance)
     public = [n for n in vars(Balance) if not n.startswith("_")]
-    assert len(lines) < 250, len(lines)
-    assert len(public) <= 24, public
+    assert len(lines) < 280, len(lines)
+    assert len(public) <= 26, public

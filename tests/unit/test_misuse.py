@@ -83,7 +83,7 @@ def test_a_plain_dataloader_is_refused_before_its_first_step():
     with pytest.raises(hetero.HeteroError, match="not handed out by hetero's sampler"):
         with bal.step():
             pass
-    assert bal.global_step == 0
+    assert bal.position.global_step == 0
 
 
 def test_a_second_attach_is_refused_in_one_line(monkeypatch):

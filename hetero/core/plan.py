@@ -187,12 +187,13 @@ class Plan:
         if len(paces) and n:  # the steps' pace beyond their slowest compute: the all-reduce, the loop's own time
             self.balancer.overhead_s = max(float(np.median(paces) - compute.max(1).mean()), 0.0)
         self.balancer.observe(np.stack([r.sizes for r in window]), compute, cpu)
-        self.balancer.decide()
+        changed = self.balancer.decide()
         self.regimes = [r for i, r in enumerate(self.regimes)  # regimes no position after pos can use go
                         if i + 1 == len(self.regimes) or self.regimes[i + 1][0] > pos]
         self.regimes.append((at, copy.deepcopy(self.balancer)))
+        chosen, even = self.balancer.predicted() or (None, None)  # the read-out's numbers, kept with the decision
         d = Decision(self.at.epoch, step, at, self.balancer.sizes.tolist(), self.balancer.shares.tolist(),
-                     compute.mean(0).tolist())
+                     compute.mean(0).tolist(), chosen, even, self.balancer.window_noise_s, changed)
         self.decisions.append(d)
         return d
 

@@ -52,9 +52,9 @@ def predicted_speedup(d: Decision) -> float | None:
 def metrics(bal, per_rank: bool | None = None) -> dict[str, float]:
     """This Balance's read-out as {"hetero/...": float} (module docstring); no collective, cheap enough for every
     step. per_rank: list every rank's keys (None: when the world has at most PER_RANK_MAX ranks)."""
-    rank, world, B = bal.rank, bal.size, bal.settings.global_batch
-    decisions: list[Decision] = bal.decisions
+    rank, B, decisions = bal.rank, bal.settings.global_batch, bal.decisions
     sizes = bal.last_sizes
+    world = len(sizes)  # one entry per rank (the name of the world's size is moving: size -> world)
     many = world <= PER_RANK_MAX if per_rank is None else per_rank
     out = {f"{PREFIX}batch_size": float(sizes[rank]), f"{PREFIX}share": sizes[rank] / B,
            f"{PREFIX}decisions": float(len(decisions)),

@@ -51,7 +51,7 @@ class _Stub:
     """The public names the read-out reads, over a real Balancer: two ranks, this one rank 1."""
 
     def __init__(self, rule: str = "proportional", world: int = 2):
-        self.rank, self.size = 1, world
+        self.rank = 1
         self.settings = SimpleNamespace(global_batch=64)
         self.balancer = Balancer(rule, world, 64)
         self.decisions: list[Decision] = []

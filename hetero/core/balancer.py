@@ -81,6 +81,8 @@ class Balancer:
     _gain: float = field(default=1.0, repr=False)            # the fraction of a decided change that is made
     _last_move: np.ndarray = field(default=None, repr=False)  # the sizes' last change (new - old), for reversals
     _changed_at: int = field(default=-1, repr=False)         # the decision (its count) that made it
+    # the latest decide()'s window, measured for its Decision (window_noise_s); not saved: the Decision keeps it
+    window_noise_s: float | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.rule not in ("static", "proportional", "affine"):
@@ -138,6 +140,7 @@ class Balancer:
 
     def decide(self) -> bool:
         """Re-decide shares and batch sizes from the observations since the last decision; True if they changed."""
+        self.window_noise_s = None
         if self.rule == "static" or not self._pending:
             self._pending.clear()
             return False
@@ -159,6 +162,7 @@ class Balancer:
                                            self.sit_out, self.granularity)
             new_shares = new_sizes / self.global_batch
         self.fixed_s, self.per_sample_s = fixed, per
+        self.window_noise_s = measured_noise_s(new)
         self.decisions += 1
         self._probe_sizes = None
         gain = self._gain
@@ -183,6 +187,16 @@ class Balancer:
             self._changed_at = self.decisions
         self.shares, self.sizes = np.asarray(new_shares, float), np.asarray(new_sizes, np.int64)
         return changed
+
+    def predicted(self) -> tuple[float, float] | None:
+        """The cost model of the latest decision at the chosen sizes and at an even split: (chosen_s, even_s) per
+        step (compute only), or None before the first decision (static never decides)."""
+        fixed, per = self.fixed_s, self.per_sample_s
+        if fixed is None or per is None or not (np.all(np.isfinite(fixed)) and np.all(np.isfinite(per))):
+            return None
+        even = batch_sizes(np.full(self.world, 1.0 / self.world), self.global_batch, self.min_batch, self.max_batch,
+                           self.granularity)
+        return predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, even)
 
     def _fit(self, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Affine fixed and per-sample costs per rank from the new window and the kept ones."""
@@ -299,6 +313,22 @@ def noise_s(stats: np.ndarray) -> float:
         resid = np.maximum(vtt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / (n - 1 - (vbb > 0))
         se = np.where(n > 2, np.sqrt(resid / n), 0.0)
     return float(np.sqrt(2) * np.nanmax(se, initial=0.0))
+
+
+def measured_noise_s(stats: np.ndarray) -> float | None:
+    """How far noise alone could move a difference of two ranks' mean step times in a window [N_STATS, world] (s):
+    noise_s's standard error, but measured from two steps on (one degree of freedom left after the fit), plus the
+    largest shift of a rank's mean by the stalls its slope clipped (one stall in a short window fakes a speed
+    difference that the clipped scatter does not show). None where a timed rank left no degree of freedom (one step,
+    or two steps at two sizes): the noise is unknown there, not zero (noise_s takes it as zero, to act at all)."""
+    n, _, _, vbb, vbt, vtt = _moments(stats)
+    timed, dof = n > 0, n - 1 - (vbb > 0)
+    if not timed.any() or (dof[timed] < 1).any():
+        return None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        resid = np.maximum(vtt - np.where(vbb > 0, vbt * vbt / vbb, 0.0), 0.0) / dof
+        se, stall = np.sqrt(resid / n), np.maximum(stats[2] - stats[6], 0.0) / n  # sum t less sum t clipped
+    return float(np.sqrt(2) * se[timed].max() + stall[timed].max())
 
 
 def _finite(x) -> list | None:

@@ -12,90 +12,53 @@ What it reports (every value a float; a key is absent until there is something t
 - hetero/predicted_step_s and hetero/predicted_even_step_s: the latest decision's cost model (affine:
   t_r(b) = fixed_r + per_sample_r * b; dp/edp: the proportional model, fixed_r = 0) at the chosen sizes and at an
   even split; hetero/predicted_speedup = even / chosen, the speedup over plain DDP the balancer expects (compute
-  only: the all-reduce, the same in both, is left out, so a step's true speedup is a little smaller);
+  only: the all-reduce, the same in both, is left out, so a step's true speedup is a little smaller), or 1 while
+  the decision's window does not show that gain beyond EVIDENCE times its noise (predicted_speedup below);
 - hetero/misallocation: the measured slowest step (latest decision's window) over the step time predicted for it
   by the decision before (1: the plan was right; above 1: the ranks were slower than the model said);
 - hetero/decisions, hetero/size_changes: decisions so far, and those that changed the sizes.
 
-Cost: no collective, ever: it reads what the Balance already holds (the gathered compute times arrive with each
-decision). The cost model is evaluated once per decision and remembered; a call is a few dictionary entries per
+A pure function of the Balance's public values: each Decision carries its cost model's numbers from when it was
+made (records.Decision), so nothing is kept beside the Balance, no call has to come after every step, and a
+decision made between two calls is read like any other. Cost: no collective, ever, and a few dictionary entries per
 rank. On CUDA, reading this rank's last step waits for that step's end event (as a logged loss.item() does).
 Ranks beyond `PER_RANK_MAX` are summarised (min and max share) instead of listed one by one.
 """
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
 import numpy as np
 
-from .partition import batch_sizes, predicted_step_s
+from .records import Decision
 
 PREFIX = "hetero/"
 PER_RANK_MAX = 16  # above this world size, per-rank keys are left out (a grid of 4096 charts helps nobody)
+# A gain is shown when it exceeds this many times the window's noise (Decision.noise_s: about one standard error
+# of a difference of two ranks' mean steps, plus what its stalls moved the means), about 95% one-sided.
+EVIDENCE = 2.0
 
 
-@dataclass
-class _Seen:
-    """What the read-out remembers per Balance: the decisions' predictions, filled in as they are first seen."""
-    decisions: int = 0
-    predicted: tuple[float, float] | None = None  # the latest decision's (chosen, even) predicted step (s)
-    before: float | None = None  # the decision before the latest one: its predicted step at its chosen sizes (s)
-    changes: int = 0
-    last_sizes: list[int] | None = None
-
-
-_SEEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def predicted(balancer) -> tuple[float, float] | None:
-    """The balancer's cost model at its chosen sizes and at an even split: (chosen_s, even_s) per step, or None
-    before its first decision (static schemes never decide). Pure numpy, no collective."""
-    fixed, per = balancer.fixed_s, balancer.per_sample_s
-    if fixed is None or per is None or not (np.all(np.isfinite(fixed)) and np.all(np.isfinite(per))):
+def predicted_speedup(d: Decision) -> float | None:
+    """The speedup over an even split that decision `d` predicts; None without a model. 1.0 unless its window shows
+    the gain beyond EVIDENCE times its noise: on equal ranks a short window's noise, or one stall, moves the
+    proportional rule and its model then claims a gain (4x and more) that the measurements do not support."""
+    chosen, even = d.predicted_step_s, d.predicted_even_step_s
+    if chosen is None or even is None or not chosen > 0:
         return None
-    n = balancer.world
-    even = batch_sizes(np.full(n, 1.0 / n), balancer.global_batch, balancer.min_batch, balancer.max_batch,
-                       balancer.granularity)
-    return predicted_step_s(fixed, per, balancer.sizes), predicted_step_s(fixed, per, even)
-
-
-def _catch_up(bal, seen: _Seen) -> None:
-    """Fold in the decisions made since the last call. The cost model is the balancer's as of the latest decision,
-    so a decision passed over between two calls leaves no prediction: misallocation then waits for the next pair."""
-    decisions = bal.decisions
-    if len(decisions) == seen.decisions:
-        return
-    for d in decisions[seen.decisions:]:
-        if seen.last_sizes is not None and d.sizes != seen.last_sizes:
-            seen.changes += 1
-        seen.last_sizes = list(d.sizes)
-    missed = len(decisions) - seen.decisions > 1
-    seen.before = None if missed or seen.predicted is None else seen.predicted[0]
-    seen.predicted = predicted(bal.engine.plan._balancer)  # the plan's balancer: the cost model lives there
-    seen.decisions = len(decisions)
-
-
-def watch(bal) -> _Seen:
-    """Note the decisions made since the last call (their predictions, for misallocation); cheap (a length
-    compare between decisions). metrics() calls it; an integration logging less often than it decides calls it
-    after every step, so no decision's prediction is passed over."""
-    seen = _SEEN.get(bal)
-    if seen is None:  # first seen: the sizes in force now are those before its next decision (if none yet)
-        seen = _SEEN[bal] = _Seen(last_sizes=None if bal.decisions else bal.engine.plan._balancer.sizes.tolist())
-    _catch_up(bal, seen)
-    return seen
+    if d.noise_s is None or not even - chosen > EVIDENCE * d.noise_s:
+        return 1.0
+    return even / chosen
 
 
 def metrics(bal, per_rank: bool | None = None) -> dict[str, float]:
     """This Balance's read-out as {"hetero/...": float} (module docstring); no collective, cheap enough for every
     step. per_rank: list every rank's keys (None: when the world has at most PER_RANK_MAX ranks)."""
-    seen = watch(bal)
-    rank, world, B = bal.rank, bal.world, bal.settings.global_batch
+    rank, B, decisions = bal.rank, bal.settings.global_batch, bal.decisions
     sizes = bal.last_sizes
+    world = len(sizes)  # one entry per rank (the name of the world's size is moving: size -> world)
     many = world <= PER_RANK_MAX if per_rank is None else per_rank
     out = {f"{PREFIX}batch_size": float(sizes[rank]), f"{PREFIX}share": sizes[rank] / B,
-           f"{PREFIX}decisions": float(seen.decisions), f"{PREFIX}size_changes": float(seen.changes)}
+           f"{PREFIX}decisions": float(len(decisions)),
+           f"{PREFIX}size_changes": float(sum(d.changed for d in decisions))}
     if many:
         for r, b in enumerate(sizes):
             out[f"{PREFIX}rank{r}/batch_size"] = float(b)
@@ -105,19 +68,21 @@ def metrics(bal, per_rank: bool | None = None) -> dict[str, float]:
     records = bal.epoch_records()  # this rank's own finished steps this epoch (the clocks read here)
     if records:
         out[f"{PREFIX}compute_s"], out[f"{PREFIX}wait_s"] = float(records[-1].compute_s), float(records[-1].wait_s)
-    if bal.decisions:
-        compute = np.asarray(bal.decisions[-1].compute_s, float)
-        slowest = float(compute.max())
-        out[f"{PREFIX}slowest_rank"] = float(np.argmax(compute))
-        if many:
-            for r, t in enumerate(compute):
-                out[f"{PREFIX}rank{r}/compute_s"] = float(t)
-                out[f"{PREFIX}rank{r}/idle_s"] = slowest - float(t)
-        if seen.before:
-            out[f"{PREFIX}misallocation"] = slowest / seen.before
-    if seen.predicted is not None:
-        chosen, even = seen.predicted
-        out[f"{PREFIX}predicted_step_s"], out[f"{PREFIX}predicted_even_step_s"] = chosen, even
-        if chosen > 0:
-            out[f"{PREFIX}predicted_speedup"] = even / chosen
+    if not decisions:
+        return out
+    latest = decisions[-1]
+    compute = np.asarray(latest.compute_s, float)
+    slowest = float(compute.max())
+    out[f"{PREFIX}slowest_rank"] = float(np.argmax(compute))
+    if many:
+        for r, t in enumerate(compute):
+            out[f"{PREFIX}rank{r}/compute_s"] = float(t)
+            out[f"{PREFIX}rank{r}/idle_s"] = slowest - float(t)
+    if len(decisions) > 1 and decisions[-2].predicted_step_s:  # the window ran at the sizes the one before chose
+        out[f"{PREFIX}misallocation"] = slowest / decisions[-2].predicted_step_s
+    if latest.predicted_step_s is not None and latest.predicted_even_step_s is not None:
+        out[f"{PREFIX}predicted_step_s"] = float(latest.predicted_step_s)
+        out[f"{PREFIX}predicted_even_step_s"] = float(latest.predicted_even_step_s)
+        if (speedup := predicted_speedup(latest)) is not None:
+            out[f"{PREFIX}predicted_speedup"] = speedup
     return out

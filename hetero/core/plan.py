@@ -109,9 +109,11 @@ class Plan:
         if len(paces) and n:  # the steps' pace beyond their slowest compute: the all-reduce, the loop's own time
             b.overhead_s = max(float(np.median(paces) - compute.max(1).mean()), 0.0)
         b.observe(np.stack([r.sizes for r in window]), compute, cpu)
-        b.decide()
+        changed = b.decide()
         at = sched.adopt(sched.index(self.at.epoch, step), furthest)
-        d = Decision(self.at.epoch, step, at, b.sizes.tolist(), b.shares.tolist(), compute.mean(0).tolist())
+        chosen, even = b.predicted() or (None, None)  # the read-out's numbers, kept with the decision
+        d = Decision(self.at.epoch, step, at, b.sizes.tolist(), b.shares.tolist(), compute.mean(0).tolist(), chosen,
+                     even, b.window_noise_s, changed)
         self._decisions.append(d)
         return d
 

@@ -28,6 +28,13 @@ class Decision:
     sizes: list[int]     # per-rank batch sizes from `effective` on
     shares: list[float]  # the balancer's shares (sum to 1)
     compute_s: list[float]  # per-rank mean compute seconds per step over the window decided on
+    # The cost model fitted at this decision (s per step, compute only), recorded when it is made so that the
+    # read-out (metrics.py) is a function of the decisions: None where the rule has no model (no observations).
+    predicted_step_s: float | None = None       # at `sizes`
+    predicted_even_step_s: float | None = None  # at an even split (plain DDP's)
+    noise_s: float | None = None  # how far noise could move a difference of two ranks' mean steps in the window
+    #                               decided on (Balancer.window_noise_s); None: too few steps to measure it
+    changed: bool = False         # `sizes` differ from the sizes in force before this decision
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import Trainer, TrainerCallback
 
-from ..core.metrics import metrics, watch
+from ..core.metrics import metrics
 
 
 class BalanceMetrics(TrainerCallback):
@@ -14,9 +14,6 @@ class BalanceMetrics(TrainerCallback):
 
     def __init__(self, balance):
         self.balance = balance
-
-    def on_step_end(self, args, state, control, **kwargs):
-        watch(self.balance)  # every decision's prediction, for misallocation between two logs (no collective)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and not any(k.startswith(("eval_", "test_")) for k in logs):  # training logs only

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..core.metrics import metrics, watch
+from ..core.metrics import metrics, predicted_speedup
 
 FOLDER = "tensorboard"
 # the read-out's keys an epoch adds: the per-step ones come from steps.csv's rows, the shares from ranks.csv's
@@ -42,11 +42,6 @@ class Board:
             from torch.utils.tensorboard import SummaryWriter  # the [tensorboard] extra, checked by Config
             self._writer = SummaryWriter(log_dir=str(self.folder))
         return self._writer
-
-    def watch(self, bal) -> None:
-        """After every step: the read-out notes each decision's prediction (a length compare; no collective and,
-        unlike metrics(), no clock read: on CUDA that would wait for the step's events inside the epoch)."""
-        watch(bal)
 
     def epoch(self, epoch: int, line: dict, ranks: list[dict], steps: list[dict], bal) -> None:
         """One epoch's rows (epochs.csv's line, ranks.csv's and steps.csv's rows) and the read-out, flushed."""
@@ -81,9 +76,8 @@ class Board:
 
 
 def progress(bal) -> str:
-    """The progress bar's postfix: every rank's share and the latest decision's predicted speedup (read without
-    the step clocks, so no host sync on CUDA)."""
-    seen = watch(bal)
+    """The progress bar's postfix: every rank's share and the latest decision's predicted speedup (read from the
+    decision, without the step clocks, so no host sync on CUDA)."""
     shares = "/".join(f"{b / bal.settings.global_batch:.2f}" for b in bal.last_sizes)
-    chosen, even = seen.predicted or (0.0, 0.0)
-    return f"shares {shares}" + (f" | predicted {even / chosen:.2f}x" if chosen > 0 else "")
+    speedup = predicted_speedup(bal.decisions[-1]) if bal.decisions else None
+    return f"shares {shares}" + (f" | predicted {speedup:.2f}x" if speedup is not None else "")

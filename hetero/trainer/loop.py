@@ -285,8 +285,6 @@ class Trainer:
                     sums += torch.stack([loss.detach().double() * len(y), (out.argmax(1) == y).sum().double() * counts])
                     first_bad = torch.where((first_bad < 0) & ~torch.isfinite(loss.detach()),
                                             torch.full_like(first_bad, step), first_bad)
-            if self.board is not None:
-                self.board.watch(bal)  # each decision's prediction, for the epoch's misallocation
             if bar is not None:
                 bar.set_postfix_str(progress(bal), refresh=False)  # shares and predicted speedup
                 bar.update(1)

@@ -1,7 +1,9 @@
-"""The read-out (hetero.core.metrics): its numbers against the cost model worked out by hand, its bookkeeping of
-decisions, and no collective on any call (a real Balance in a one-process gloo group)."""
+"""The read-out (hetero.core.metrics): its numbers against the cost model worked out by hand, read from the
+decisions alone (none passed over between two calls), no claimed speedup without evidence, and no collective on
+any call (a real Balance in a one-process gloo group)."""
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hetero.core.balancer import Balancer
-from hetero.core.metrics import PER_RANK_MAX, metrics, predicted
+from hetero.core.metrics import PER_RANK_MAX, metrics
 from hetero.core.records import Decision, StepRecord
 
 
@@ -26,7 +28,7 @@ def test_predicted_is_the_affine_fit_at_the_chosen_and_at_the_even_sizes():
     b, t = _affine_window(a, c, [bal.sizes_for_step(s) for s in range(16)])  # the probe's two sizes
     bal.observe(b, t)
     bal.decide()
-    chosen, even = predicted(bal)
+    chosen, even = bal.predicted()
     assert bal.sizes.tolist() == [52, 12]  # 0.01 + 52e-3 = 0.062 = 0.05 + 12e-3
     assert chosen == pytest.approx(max(a + c * bal.sizes))
     assert even == pytest.approx(0.050 + 32e-3)
@@ -37,22 +39,21 @@ def test_predicted_is_the_proportional_model_for_dp_and_edp():
     bal = Balancer("proportional", 2, 64)
     bal.observe([[32, 32]] * 4, [[0.1, 0.3]] * 4)  # rank 1 three times slower per sample
     bal.decide()
-    chosen, even = predicted(bal)
+    chosen, even = bal.predicted()
     assert bal.sizes.tolist() == [48, 16]
     assert chosen == pytest.approx(max(0.1 / 32 * 48, 0.3 / 32 * 16))
     assert even == pytest.approx(0.3)
-    assert predicted(Balancer("proportional", 2, 64)) is None  # before a decision: no model
-    assert predicted(Balancer("static", 2, 64)) is None
+    assert Balancer("proportional", 2, 64).predicted() is None  # before a decision: no model
+    assert Balancer("static", 2, 64).predicted() is None
 
 
 class _Stub:
     """The public names the read-out reads, over a real Balancer: two ranks, this one rank 1."""
 
     def __init__(self, rule: str = "proportional", world: int = 2):
-        self.rank, self.size = 1, world
+        self.rank = 1
         self.settings = SimpleNamespace(global_batch=64)
         self.balancer = Balancer(rule, world, 64)
-        self.engine = SimpleNamespace(plan=self)  # bal.engine.plan.balancer: where the balancer lives
         self.decisions: list[Decision] = []
         self.records: list[StepRecord] = []
         self.last_sizes = self.balancer.sizes.tolist()
@@ -61,14 +62,18 @@ class _Stub:
         return self.records
 
     def decide(self, compute_s):
-        """A window of 4 steps at the current sizes with these per-rank step times, then a decision."""
+        """A window at the current sizes, then a decision recorded as the plan records it. compute_s: per-rank step
+        times (4 steps each), or [steps, world] of them."""
         sizes = self.balancer.sizes.copy()
-        self.balancer.observe([sizes] * 4, [compute_s] * 4)
-        self.balancer.decide()
+        steps = np.asarray(compute_s, float)
+        steps = np.repeat(steps[None], 4, axis=0) if steps.ndim == 1 else steps
+        self.balancer.observe([sizes] * len(steps), steps)
+        changed = self.balancer.decide()
+        chosen, even = self.balancer.predicted() or (None, None)
         self.decisions.append(Decision(0, 3, 4, self.balancer.sizes.tolist(), self.balancer.shares.tolist(),
-                                       list(compute_s)))
+                                       steps.mean(0).tolist(), chosen, even, self.balancer.window_noise_s, changed))
         self.last_sizes = self.balancer.sizes.tolist()
-        self.records.append(StepRecord(0, 3, sizes, compute_s[self.rank], 0.25, 0.0))
+        self.records.append(StepRecord(0, 3, sizes, float(steps[-1, self.rank]), 0.25, 0.0))
 
 
 def test_the_read_out_of_two_decisions():
@@ -95,17 +100,54 @@ def test_the_read_out_of_two_decisions():
     assert m["hetero/size_changes"] == (2 if bal.decisions[1].sizes != [48, 16] else 1)
 
 
-def test_a_decision_passed_over_leaves_no_misallocation_and_large_worlds_are_summarised():
+def test_a_decision_passed_over_between_two_calls_still_gives_misallocation():
     bal = _Stub()
     metrics(bal)
     bal.decide([0.1, 0.3])
-    bal.decide([0.15, 0.18])  # two decisions between calls: the first one's prediction is gone
-    assert "hetero/misallocation" not in metrics(bal)
+    bal.decide([0.15, 0.18])  # two decisions between calls: each carries its own prediction
+    m = metrics(bal)
+    assert m["hetero/misallocation"] == pytest.approx(0.18 / 0.15)
+    assert m["hetero/decisions"] == 2 and m["hetero/size_changes"] == sum(d.changed for d in bal.decisions) >= 1
+    late = _Stub()  # first read only after two decisions: the first one's change of the sizes still counts
+    late.decide([0.1, 0.3])
+    late.decide([0.15, 0.18])
+    assert metrics(late)["hetero/size_changes"] == m["hetero/size_changes"]
+    assert metrics(late)["hetero/misallocation"] == m["hetero/misallocation"]
+
+
+def test_large_worlds_are_summarised():
     big = _Stub(world=PER_RANK_MAX + 1)
     m = metrics(big)
     assert not any(k.startswith("hetero/rank") for k in m)
     assert m["hetero/min_share"] == min(big.last_sizes) / 64 and m["hetero/max_share"] == max(big.last_sizes) / 64
     assert any(k.startswith("hetero/rank") for k in metrics(big, per_rank=True))
+
+
+@pytest.mark.parametrize("steps", [
+    [[0.0015, 0.0015], [0.0015, 0.0015], [0.0015, 0.0015], [0.0015, 0.0260]],  # equal ranks, one stall on rank 1
+    [[0.0015, 0.0015], [0.0016, 0.0079]],  # two steps: the balancer's own noise test cannot act, and moves
+    [[0.0015, 0.0060]],                     # one step: no noise measured at all
+], ids=["a stall", "two steps", "one step"])
+def test_predicted_speedup_is_1_until_a_decision_has_evidence(steps):
+    """Two equal ranks under the default edp: a short window's noise moves the proportional rule's sizes, and its
+    model then claims a speedup over an even split (issue 48, item 10: it read 4.0 and 1.83). The read-out says 1
+    until the window shows the gain beyond its noise; the model's own step times stay as they are."""
+    bal = _Stub()
+    bal.decide(steps)
+    d, m = bal.decisions[-1], metrics(bal)
+    assert d.sizes != [32, 32] and d.predicted_even_step_s / d.predicted_step_s > 1.5  # the model's claim
+    assert m["hetero/predicted_speedup"] == 1.0
+    assert m["hetero/predicted_step_s"] == d.predicted_step_s
+    assert m["hetero/predicted_even_step_s"] == d.predicted_even_step_s
+
+
+def test_predicted_speedup_is_the_models_where_the_window_shows_it():
+    bal = _Stub()
+    bal.decide([[0.100, 0.300], [0.101, 0.306]])  # rank 1 three times slower, in two steps that agree
+    m = metrics(bal)
+    assert bal.decisions[-1].noise_s is not None
+    model = m["hetero/predicted_even_step_s"] / m["hetero/predicted_step_s"]
+    assert m["hetero/predicted_speedup"] == pytest.approx(model) and model > 1.9
 
 
 def test_a_real_balance_reads_out_without_a_collective(tmp_path, monkeypatch):
@@ -131,6 +173,9 @@ def test_a_real_balance_reads_out_without_a_collective(tmp_path, monkeypatch):
         assert last["hetero/batch_size"] == 8 and last["hetero/share"] == 1.0
         assert last["hetero/compute_s"] == bal.epoch_records()[-1].compute_s
         assert last["hetero/predicted_speedup"] == pytest.approx(1.0)  # one rank: the even split is the split
+        d = bal.decisions[-1]  # the plan recorded the model's numbers with the decision, as plain data
+        assert d.predicted_step_s == last["hetero/predicted_step_s"] > 0 and d.changed is False
+        assert json.loads(json.dumps(d.__dict__)) == d.__dict__
         assert all(isinstance(v, float) for m in calls for v in m.values())
     finally:
         dist.destroy_process_group()

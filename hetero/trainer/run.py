@@ -240,21 +240,23 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(ConfigError(f"--affinity {job.cfg.affinity!r}: cannot pin rank {rank} to cores {sorted(cores)} "
                                   f"({e.strerror})"), rank, 0)
 
+    def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
+    signal.signal(signal.SIGTERM, on_term)  # before the straggler's set-up: a SIGTERM during it undoes it
     try:  # an outside straggler (--straggler) is set up after pinning, so a neighbour shares the rank's cores
         outside = straggler.setup(job.cfg.straggler, rank)
     except StragglerError as e:
         return refuse(ConfigError(f"--straggler {job.cfg.straggler!r}: rank {rank}: {e}"), rank, 0)
-
-    def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
-    signal.signal(signal.SIGTERM, on_term)
+    except SystemExit as e:  # the set-up closed what it had made
+        print(f"hetero: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return 1
     try:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_launcher(rank)
         return train(job, settings, rank, local_rank)
     finally:
-        outside.close()  # the cgroup removed, the neighbour stopped (atexit does it too; a SIGKILL: the next sweep)
+        outside.close()  # the cgroup removed, the neighbour stopped (atexit does it too; a SIGKILL: its watcher)
 
 
 def start_folder(trainer: Trainer, world: World, job: Job, meta: dict) -> None:

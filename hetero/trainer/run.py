@@ -193,7 +193,7 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
     first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
     cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
     run_dir = Path(cfg.run_dir)
-    runfolder.check_files(run_dir, resume)  # every rank: no FIFO, socket, folder or link where a file goes
+    runfolder.check_files(run_dir, resume, cfg.tensorboard)  # every rank: no FIFO, socket or link where it writes
     saved, read = RunFolder(run_dir).load_trainer_checkpoint() if resume and rank == 0 else (None, None)
     data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
     if cfg.global_batch > len(data.train_y):
@@ -205,7 +205,7 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
     missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
     if missing:
         raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
-    lock = claim_run_dir(run_dir, resume, cfg.overwrite, read) if rank == 0 else None  # held until the process ends
+    lock = claim_run_dir(run_dir, resume, cfg.overwrite, read, cfg.tensorboard) if rank == 0 else None  # for good
     if ns.check:
         if lock is not None:
             lock.release(discard=True)  # a check leaves no empty folder behind

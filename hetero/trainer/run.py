@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from ..core import safeio
 from ..core.agree import HeteroError, named_identity, remap_identities
 from . import runfolder, straggler
-from .checkpoint import check_checkpoint
+from .checkpoint import RUN_UID, check_checkpoint, check_owner
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, shown
 from .data import DataError, DataSet, load_data
@@ -171,6 +172,7 @@ class Job:
     replay: dict | None
     saved: dict | None
     lock: RunLock | None
+    run_uid: str = ""  # rank 0: the run's own id (checkpoint.RUN_UID), kept on resume, new on a fresh start
 
 
 def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int) -> Job | None:
@@ -201,6 +203,8 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
     steps = len(data.train_y) // cfg.global_batch
     if saved is not None:
         check_checkpoint(cfg, world_size, len(data.classes), steps, saved, run_dir / runfolder.CHECKPOINT)
+        if warning := check_owner(saved, run_dir):  # this folder's run's, not one copied in from another
+            print(warning, file=sys.stderr, flush=True)
     replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
     missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
     if missing:
@@ -210,7 +214,9 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
         if lock is not None:
             lock.release(discard=True)  # a check leaves no empty folder behind
         return None
-    return Job(cfg, resume, data, replay, saved, lock)
+    # a checkpoint written before run uids (check_owner warned) gives its run one from this start on
+    uid = (saved or {}).get(RUN_UID) or uuid.uuid4().hex
+    return Job(cfg, resume, data, replay, saved, lock, uid)
 
 
 def refuse(e: Exception, rank: int, local_rank: int) -> int:
@@ -262,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
 def start_folder(trainer: Trainer, world: World, job: Job, meta: dict) -> None:
     """Rank 0, holding the lock: config.json (meta) and membership.csv written, the run's first line printed."""
     cfg, run_dir, limits = job.cfg, Path(job.cfg.run_dir), trainer.max_batches
+    meta[RUN_UID] = job.run_uid  # sealed into every checkpoint from here on (RunFolder.save_checkpoint)
     meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
     if "probe" in cfg.max_batch:
         print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): {limits_text(limits, world.size)} "

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..core import safeio
-from .checkpoint import damage, opened, sealed
+from .checkpoint import RUN_UID, damage, opened, sealed
 from .config import Config, ConfigError, default_run_dir
 
 CONFIG, SUMMARY, CHECKPOINT, LOCK = "config.json", "summary.json", "checkpoint.pt", ".lock"
@@ -317,6 +317,7 @@ class RunFolder:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.run_uid: str | None = None  # the run's own id (checkpoint.RUN_UID), from the config start() writes
 
     def start(self, config: dict[str, Any], resume_epoch: int | None, overwrite: bool) -> None:
         """Create the folder; on resume keep rows up to the checkpoint's epoch and drop any later ones."""
@@ -333,6 +334,7 @@ class RunFolder:
             except FileExistsError:
                 raise ConfigError(f"run folder {self.path} already holds a run") from None
         self.write_json(CONFIG, config)
+        self.run_uid = config.get(RUN_UID)
 
     @staticmethod
     def _truncate(path: Path, last_epoch: int) -> None:
@@ -380,7 +382,7 @@ class RunFolder:
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         """state: tensors, lists, dicts, strings and numbers only (what weights_only=True loads); saved sealed."""
-        state = sealed(state)
+        state = sealed({**state, RUN_UID: self.run_uid} if self.run_uid else state)  # bound to this run
         _atomic_write(self.path / CHECKPOINT, lambda fh: torch.save(state, fh))
 
     def load_checkpoint(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -104,7 +104,24 @@ def train_fn(cfg: dict) -> None:
                        "seen": seen, "decisions": [d.__dict__ for d in bal.decisions]}, f)
 
 
+def bad_count(args) -> str:
+    """What is wrong with the counts on the command line ("" if nothing): each says how many of something."""
+    least = {"workers": 1, "min_workers": 0, "max_failures": -1, "samples": 1, "epochs": 1, "checkpoint_every": 0,
+             "record_params": 0}  # max_failures -1: Ray's "for ever"; the Balance checks its own settings
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            return f"--{name.replace('_', '-')} {getattr(args, name)} must be at least {low}"
+    if args.min_workers > args.workers:
+        return f"--min-workers {args.min_workers} exceeds --workers {args.workers}"
+    if args.global_batch > args.samples:
+        return f"--global-batch {args.global_batch} exceeds the {args.samples} --samples"
+    return ""
+
+
 def main(args) -> int:
+    if why := bad_count(args):  # before Ray starts, which would fail deep inside Ray or torch
+        print(f"hetero: error: {why}", file=sys.stderr)
+        return 2
     try:  # before Ray starts: a bad setting stops with one line
         hetero.Balance(scheme=args.scheme, global_batch=args.global_batch, rebalance_every=args.rebalance_every,
                        seed=args.seed).emulate(args.hetero)

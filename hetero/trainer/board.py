@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core import safeio
 from ..core.metrics import metrics, predicted_speedup
+from .runfolder import BOARD, DiskError, own_folder
 
-FOLDER = "tensorboard"
+FOLDER = BOARD
 # the read-out's keys an epoch adds: the per-step ones come from steps.csv's rows, the shares from ranks.csv's
 READ_OUT = ("predicted_step_s", "predicted_even_step_s", "predicted_speedup", "misallocation", "decisions",
             "size_changes", "slowest_rank")
@@ -40,14 +42,24 @@ class Board:
     def writer(self):
         if self._writer is None:
             from torch.utils.tensorboard import SummaryWriter  # the [tensorboard] extra, checked by Config
+            self._own()
             self._writer = SummaryWriter(log_dir=str(self.folder))
         return self._writer
 
+    def _own(self) -> None:
+        """The event folder made and checked again right before its first write or delete (run.prepare checked it
+        before the run): a link planted since is refused, never written through."""
+        try:
+            own_folder(self.folder)
+        except safeio.UnsafeFile as e:
+            raise DiskError(f"cannot write run folder {self.folder.parent}: {e.strerror}") from None
+
     def epoch(self, epoch: int, line: dict, ranks: list[dict], steps: list[dict], bal) -> None:
         """One epoch's rows (epochs.csv's line, ranks.csv's and steps.csv's rows) and the read-out, flushed."""
-        if epoch == 1 and self._writer is None and self.folder.is_dir():
+        if epoch == 1 and self._writer is None:
             # a run starting afresh (--overwrite): an earlier run's event files go, as its tables did (a resumed
-            # run's first job wrote none with rows before its first epoch ended)
+            # run's first job wrote none with rows before its first epoch ended); from the run's own folder only
+            self._own()
             for old in self.folder.glob("events.out.tfevents.*"):
                 if old.is_file() and not old.is_symlink():
                     old.unlink()

@@ -15,7 +15,9 @@ check_checkpoint then tries the content against this run (model, config, the epo
 """
 from __future__ import annotations
 
+import csv
 import hashlib
+import io
 import struct
 import zipfile
 import zlib
@@ -25,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core import safeio
 from .config import Config, ConfigError, shown
 from .models import build_model
 
@@ -156,6 +159,48 @@ def balance_world(balance: dict[str, Any]) -> tuple[list[str] | None, int]:
     """(identities, world size) of the world that saved a Balance state."""
     ids = balance.get("identities")
     return ids, len(ids) if ids else len(balance["balancer"]["shares"])
+
+
+# -- whose is it? -------------------------------------------------------------------------------------------------
+# A run's own id, minted at its first start, kept in config.json and sealed into each of its checkpoints: the digest
+# says a file is intact, the id that it is this folder's run's (another run's checkpoint copied in has another).
+RUN_UID = "run_uid"
+
+
+def check_owner(state: dict, folder: Path) -> str:
+    """"" when the checkpoint is the folder's own run's (their run uids agree); a warning line for one written before
+    checkpoints carried a run uid, whose history then must be the folder's epochs.csv; else ConfigError."""
+    from .runfolder import read_config  # runfolder imports this module
+
+    path, its = folder / "checkpoint.pt", state.get(RUN_UID)
+    mine = read_config(folder).get(RUN_UID)
+    if its is not None:
+        if its != mine:
+            raise ConfigError(f"cannot resume: {path} was written by another run (run uid {shown(its)}, this "
+                              f"folder's run is {shown(mine)}): a checkpoint resumes only the run that wrote it (to "
+                              f"move a run, copy its whole folder; to start afresh, --overwrite)")
+        return ""
+    try:
+        rows = {int(r["epoch"]): r for r in csv.DictReader(io.StringIO(
+            safeio.read_bytes(folder / "epochs.csv", "its epochs file").decode()))}
+    except FileNotFoundError:
+        rows = {}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"cannot resume: {folder / 'epochs.csv'} is unreadable ({type(e).__name__}), and "
+                          f"{path} carries no run uid to bind it to this run") from None
+    for h in state["history"]:
+        r = rows.get(h["epoch"])
+        if r is None or any(not _same(float(r[k]), float(v)) for k, v in h.items()
+                            if k in r and type(v) in (int, float)):
+            raise ConfigError(f"cannot resume: {path} does not belong to this folder's run: its epoch {h['epoch']} "
+                              f"is not the one in epochs.csv (another run's checkpoint?); to start afresh, "
+                              f"--overwrite")
+    return (f"hetero: warning: {path} was written by an older hetero (no run uid): bound to this run by its "
+            f"{len(state['history'])} epoch(s) of history matching epochs.csv")
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (a != a and b != b)  # a NaN written to epochs.csv reads back as a NaN
 
 
 # -- does it fit this run? ----------------------------------------------------------------------------------------

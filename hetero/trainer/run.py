@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from ..core import safeio
 from ..core.agree import HeteroError, named_identity, remap_identities
 from . import runfolder, straggler
-from .checkpoint import check_checkpoint
+from .checkpoint import RUN_UID, check_checkpoint, check_owner
 from .cli import parse_args
 from .config import Config, ConfigError, check_launch, shown
 from .data import DataError, DataSet, load_data
@@ -171,6 +172,7 @@ class Job:
     replay: dict | None
     saved: dict | None
     lock: RunLock | None
+    run_uid: str = ""  # rank 0: the run's own id (checkpoint.RUN_UID), kept on resume, new on a fresh start
 
 
 def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int) -> Job | None:
@@ -193,7 +195,7 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
     first = rank - local_rank  # this node's ranks (under --check: LOCAL_WORLD_SIZE, else the whole world)
     cfg.check_host(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", world_size))), world_size)
     run_dir = Path(cfg.run_dir)
-    runfolder.check_files(run_dir, resume)  # every rank: no FIFO, socket, folder or link where a file goes
+    runfolder.check_files(run_dir, resume, cfg.tensorboard)  # every rank: no FIFO, socket or link where it writes
     saved, read = RunFolder(run_dir).load_trainer_checkpoint() if resume and rank == 0 else (None, None)
     data = load_data(cfg.data, cfg.data_dir, cfg.subset, cfg.test_subset)
     if cfg.global_batch > len(data.train_y):
@@ -201,16 +203,20 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
     steps = len(data.train_y) // cfg.global_batch
     if saved is not None:
         check_checkpoint(cfg, world_size, len(data.classes), steps, saved, run_dir / runfolder.CHECKPOINT)
+        if warning := check_owner(saved, run_dir):  # this folder's run's, not one copied in from another
+            print(warning, file=sys.stderr, flush=True)
     replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
     missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
     if missing:
         raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
-    lock = claim_run_dir(run_dir, resume, cfg.overwrite, read) if rank == 0 else None  # held until the process ends
+    lock = claim_run_dir(run_dir, resume, cfg.overwrite, read, cfg.tensorboard) if rank == 0 else None  # for good
     if ns.check:
         if lock is not None:
             lock.release(discard=True)  # a check leaves no empty folder behind
         return None
-    return Job(cfg, resume, data, replay, saved, lock)
+    # a checkpoint written before run uids (check_owner warned) gives its run one from this start on
+    uid = (saved or {}).get(RUN_UID) or uuid.uuid4().hex
+    return Job(cfg, resume, data, replay, saved, lock, uid)
 
 
 def refuse(e: Exception, rank: int, local_rank: int) -> int:
@@ -240,26 +246,29 @@ def main(argv: list[str] | None = None) -> int:
         return refuse(ConfigError(f"--affinity {job.cfg.affinity!r}: cannot pin rank {rank} to cores {sorted(cores)} "
                                   f"({e.strerror})"), rank, 0)
 
+    def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
+    signal.signal(signal.SIGTERM, on_term)  # before the straggler's set-up: a SIGTERM during it undoes it
     try:  # an outside straggler (--straggler) is set up after pinning, so a neighbour shares the rank's cores
         outside = straggler.setup(job.cfg.straggler, rank)
     except StragglerError as e:
         return refuse(ConfigError(f"--straggler {job.cfg.straggler!r}: rank {rank}: {e}"), rank, 0)
-
-    def on_term(signum, frame):  # torchrun stops the other workers with SIGTERM when one dies
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(f"stopped by signal {signum} (another worker failed or the job was cancelled)")
-    signal.signal(signal.SIGTERM, on_term)
+    except SystemExit as e:  # the set-up closed what it had made
+        print(f"hetero: rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return 1
     try:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             exit_with_launcher(rank)
         return train(job, settings, rank, local_rank)
     finally:
-        outside.close()  # the cgroup removed, the neighbour stopped (atexit does it too; a SIGKILL: the next sweep)
+        outside.close()  # the cgroup removed, the neighbour stopped (atexit does it too; a SIGKILL: its watcher)
 
 
 def start_folder(trainer: Trainer, world: World, job: Job, meta: dict) -> None:
     """Rank 0, holding the lock: config.json (meta) and membership.csv written, the run's first line printed."""
     cfg, run_dir, limits = job.cfg, Path(job.cfg.run_dir), trainer.max_batches
+    meta[RUN_UID] = job.run_uid  # sealed into every checkpoint from here on (RunFolder.save_checkpoint)
     meta["max_batches"] = None if limits is None else [None if v == float("inf") else int(v) for v in limits]
     if "probe" in cfg.max_batch:
         print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): {limits_text(limits, world.size)} "

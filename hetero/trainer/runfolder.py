@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
@@ -36,13 +37,14 @@ from typing import Any
 import torch
 
 from ..core import safeio
-from .checkpoint import damage, opened, sealed
+from .checkpoint import RUN_UID, damage, opened, sealed
 from .config import Config, ConfigError, default_run_dir
 
 CONFIG, SUMMARY, CHECKPOINT, LOCK = "config.json", "summary.json", "checkpoint.pt", ".lock"
 TABLES = ("epochs", "ranks", "steps")
 APPENDED = tuple(f"{t}.csv" for t in (*TABLES, "membership"))
 FILES = (CONFIG, SUMMARY, CHECKPOINT, LOCK, *APPENDED)  # every name the trainer opens in a run folder
+BOARD = "tensorboard"  # the folder --tensorboard writes its event files into (board.py), and deletes them from
 
 
 # -- where the folder is, and whether this job continues it ---------------------------------------------------------
@@ -76,11 +78,17 @@ def resolve(cfg: Config) -> tuple[Config, bool]:
     return dataclasses.replace(cfg, run_dir=run_dir, overwrite=overwrite and not resume), resume
 
 
-def check_files(path: Path, resume: bool) -> None:
+def check_files(path: Path, resume: bool, tensorboard: bool = False) -> None:
     """Every rank, before any process group, opening nothing: each of FILES present in `path` is a regular file
-    (lstat, so a link is refused too), and a resumed folder holds its checkpoint; else a ConfigError."""
+    (lstat, so a link is refused too), with --tensorboard its event folder a real folder, and a resumed folder holds
+    its checkpoint; else a ConfigError."""
     for name in FILES:
         _regular_or_absent(path, name)
+    if tensorboard:
+        try:
+            own_folder(path / BOARD, make=False)
+        except safeio.UnsafeFile as e:
+            raise ConfigError(f"run folder {path}: {e.strerror}") from None
     if resume and not (path / CHECKPOINT).exists():
         raise ConfigError(f"cannot resume: {path} holds no checkpoint ({CHECKPOINT})")
 
@@ -98,6 +106,26 @@ def _regular_or_absent(path: Path, name: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise ConfigError(f"run folder {path}: its {name} is {safeio.file_kind(st.st_mode)}, not a regular file: "
                           f"refusing to open it (remove it)")
+
+
+def own_folder(folder: Path, make: bool = True) -> None:
+    """A folder the run writes into and deletes from: made here if missing (make), and a real folder, not a link
+    (whose target another run or user owns) nor anything else; else safeio.UnsafeFile naming it."""
+    if make:
+        try:
+            os.mkdir(folder)  # never through a link: mkdir fails on any existing name, a link included
+        except FileExistsError:
+            pass
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise safeio.UnsafeFile(errno.ELOOP, f"its {folder.name} folder is a symbolic link: hetero does not write "
+                                f"or delete through links it did not create (remove it)")
+    if not stat.S_ISDIR(st.st_mode):
+        kind = "a file" if stat.S_ISREG(st.st_mode) else safeio.file_kind(st.st_mode)
+        raise safeio.UnsafeFile(errno.ENOTDIR, f"its {folder.name} is {kind}, not a folder (remove it)")
 
 
 def file_id(path: Path) -> tuple[int, int, int] | None:
@@ -233,7 +261,8 @@ def status(path: Path) -> str:
     return "interrupted" if st == "running" else st
 
 
-def claim_run_dir(path: Path, resume: bool, overwrite: bool, read: tuple | None = None) -> RunLock:
+def claim_run_dir(path: Path, resume: bool, overwrite: bool, read: tuple | None = None,
+                  tensorboard: bool = False) -> RunLock:
     """Lock the folder for this job, then refuse one that cannot be written, that already holds a run unless
     resuming or overwriting, or whose checkpoint is no longer the one this job read (`read`: its file_id). The
     caller ran every read-only check first (check_files, the checkpoint), so a refused job changed nothing; the
@@ -251,7 +280,7 @@ def claim_run_dir(path: Path, resume: bool, overwrite: bool, read: tuple | None 
         if (path / CONFIG).exists() and not (resume or overwrite):
             raise ConfigError(f"run folder {path} already holds a run: pass --resume to continue it or "
                               f"--overwrite to replace it, or choose another --run-dir")
-        check_files(path, resume)  # again, now that no other job can be writing here
+        check_files(path, resume, tensorboard)  # again, now that no other job can be writing here
         if resume and file_id(path / CHECKPOINT) != read:
             raise ConfigError(f"cannot resume: {path / CHECKPOINT} was replaced while this job started (by another "
                               f"job?): start the resume again")
@@ -288,6 +317,7 @@ class RunFolder:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self.run_uid: str | None = None  # the run's own id (checkpoint.RUN_UID), from the config start() writes
 
     def start(self, config: dict[str, Any], resume_epoch: int | None, overwrite: bool) -> None:
         """Create the folder; on resume keep rows up to the checkpoint's epoch and drop any later ones."""
@@ -304,6 +334,7 @@ class RunFolder:
             except FileExistsError:
                 raise ConfigError(f"run folder {self.path} already holds a run") from None
         self.write_json(CONFIG, config)
+        self.run_uid = config.get(RUN_UID)
 
     @staticmethod
     def _truncate(path: Path, last_epoch: int) -> None:
@@ -351,7 +382,7 @@ class RunFolder:
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         """state: tensors, lists, dicts, strings and numbers only (what weights_only=True loads); saved sealed."""
-        state = sealed(state)
+        state = sealed({**state, RUN_UID: self.run_uid} if self.run_uid else state)  # bound to this run
         _atomic_write(self.path / CHECKPOINT, lambda fh: torch.save(state, fh))
 
     def load_checkpoint(self, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -10,8 +10,9 @@ Grammar: items separated by ",", each `RANK:KIND=VALUE`.
 
 The cgroups are made below $HETERO_CGROUP (a cgroup folder; default `hetero` under the cpu controller's mount:
 /sys/fs/cgroup/cpu under v1, /sys/fs/cgroup under v2). Each is named `r<rank>-p<pid>`; a run's teardown moves the
-process back and removes its group (finally, atexit and SIGTERM through the trainer's own handler), and every start
-first removes the groups of processes that are gone (a SIGKILLed run's). A busy neighbour dies with its rank
+process back and removes its group (finally, atexit and SIGTERM through the trainer's own handler); a watcher process
+removes it when the rank dies without its teardown (SIGKILL, or its launcher's death); and every start first removes
+the groups of processes that are gone (a run whose watcher was killed too). A busy neighbour dies with its rank
 (PR_SET_PDEATHSIG, and it polls its parent). Where a cgroup cannot be made or written: StragglerError, one line;
 nothing is ever emulated instead.
 """
@@ -38,6 +39,28 @@ _ITEM = re.compile(r"^(\d{1,6}):(quota|neighbour|threads)=(.{1,40})$", re.ASCII)
 _GROUP = re.compile(r"^r(\d+)-p(\d+)$", re.ASCII)
 # The busy neighbour: spins until its parent (the rank) is gone, so a SIGKILLed rank leaves no spinner behind.
 BUSY = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    pass\n"
+# The group's watcher: waits, asleep, for its parent (the rank) to end however it ends (a SIGKILL of torchrun's agent
+# kills the rank by PR_SET_PDEATHSIG, so no teardown of its own runs), then removes the group once it is empty (the
+# rank's own children may outlive it a moment). argv: the rank's pid, the group's folder.
+WATCH = """import errno, os, select, sys, time
+rank, group = int(sys.argv[1]), sys.argv[2]
+try:
+    fd = os.pidfd_open(rank)
+    if os.getppid() == rank:
+        select.select([fd], [], [])
+except OSError:  # no pidfd (Linux < 5.3): poll
+    while os.getppid() == rank:
+        time.sleep(0.2)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    try:
+        os.rmdir(group)
+        break
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            break
+        time.sleep(0.1)
+"""
 
 
 class StragglerError(RuntimeError):
@@ -209,10 +232,12 @@ def _make_base(h: Hierarchy) -> None:
 
 
 class Group:
-    """One rank's child cgroup with a CFS quota; the process moves in at start and out at close."""
+    """One rank's child cgroup with a CFS quota; the process moves in at start and out at close. A watcher process
+    removes the group when the rank ends without closing it (SIGKILL, its launcher's death)."""
 
     def __init__(self, h: Hierarchy, rank: int, quota: float, period_us: int = PERIOD_US):
         self.h, self.path, self.back = h, h.base / f"r{rank}-p{os.getpid()}", _own_cgroup(h)
+        self.watcher: subprocess.Popen | None = None
         _make_base(h)
         sweep(h.base)
         try:
@@ -220,6 +245,7 @@ class Group:
         except OSError as e:
             raise StragglerError(_cannot(self.path, e)) from None
         try:
+            self.watcher = _watch(self.path)  # before the move: it stays outside the quota, in the rank's old group
             us = max(MIN_QUOTA_US, round(quota * period_us))
             if h.version == 1:
                 if not (self.path / "cpu.cfs_quota_us").is_file():
@@ -243,6 +269,20 @@ class Group:
                 (self.back / "cgroup.procs").write_text(str(os.getpid()))
         with contextlib.suppress(OSError):
             self.path.rmdir()
+        if self.watcher is not None:
+            stop_busy(self.watcher)  # the group is gone: nothing left to watch
+            self.watcher = None
+
+
+def _watch(group: Path) -> subprocess.Popen:
+    """The watcher (WATCH) of this process's group: in a session of its own, so that a signal to the rank's process
+    group (torchrun's, a shell's ^C) does not take it along, and without PR_SET_PDEATHSIG."""
+    try:
+        return subprocess.Popen([sys.executable, "-c", WATCH, str(os.getpid()), str(group)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:
+        raise StragglerError(f"cannot start the watcher that removes {group} if the rank is killed ({e.strerror})") \
+            from None
 
 
 def check_cgroups(env: dict[str, str] | None = None) -> Hierarchy:

@@ -67,3 +67,16 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path):
                         "--scheme", "fast"], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "hetero: error: unknown scheme 'fast' (choose from sync, dp, edp, affine)"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--workers", "0"], "hetero: error: --workers 0 must be at least 1"),
+    (["--workers", "-1"], "hetero: error: --workers -1 must be at least 1"),
+    (["--workers", "2", "--min-workers", "3"], "hetero: error: --min-workers 3 exceeds --workers 2"),
+])
+def test_ray_example_refuses_a_bad_count_in_one_line_before_ray_starts(tmp_path, args, line):
+    pytest.importorskip("ray.train", reason="the [ray] extra is not installed")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "ray_train.py"), *args, "--storage", str(tmp_path)],
+                       cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [line], p.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []  # Ray never started: nothing written

@@ -4,6 +4,7 @@ with it, and the trainer refuses in one line where the cgroup is read-only (a re
 in a mount namespace of its own)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -12,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
-from hetero.lab.launch import clean_env
+from hetero.lab.launch import clean_env, torchrun_cmd
 from hetero.trainer import straggler
 
 try:
@@ -41,7 +43,7 @@ CHILD = """import sys, time
 from hetero.trainer import straggler
 out = straggler.setup(sys.argv[1], rank=1)
 where = out.group.path if out.group else '-'
-print(where, out.busy.pid if out.busy else 0, flush=True)
+print(where, out.busy.pid if out.busy else 0, out.group.watcher.pid if out.group else 0, flush=True)
 if sys.argv[2] == 'wait':
     time.sleep(60)
 out.close()
@@ -64,25 +66,86 @@ def _busy_pids() -> list[int]:
     return found
 
 
+def _gone(path: Path, limit_s: float = 60) -> bool:
+    deadline = time.monotonic() + limit_s
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not path.exists()
+
+
 def test_a_quota_is_in_force_while_the_rank_runs_and_gone_after(group):
     p = _child("1:quota=0.25", "wait", group)
-    path, _ = p.stdout.readline().split()
+    path, _, _ = p.stdout.readline().split()
     path = Path(path)
     assert path.parent == group
     quota = path / ("cpu.cfs_quota_us" if (path / "cpu.cfs_quota_us").exists() else "cpu.max")
     assert quota.read_text().split()[0] == "25000"
     assert str(p.pid) in (path / "cgroup.procs").read_text().split()
-    p.send_signal(signal.SIGKILL)  # no teardown runs: the group stays until the next start sweeps it
+    p.send_signal(signal.SIGKILL)  # no teardown runs in the rank: its watcher removes the group
     p.wait()
-    assert path.is_dir()
+    assert _gone(path)
+    q = _child("1:quota=0.5", "exit", group)
+    new, _, watcher = q.stdout.readline().split()
+    assert q.wait() == 0 and not Path(new).exists()  # a rank removes its own at the end, and stops its watcher
+    assert not psutil.pid_exists(int(watcher)) or psutil.Process(int(watcher)).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_group_whose_watcher_was_killed_too_is_swept_at_the_next_start(group):
+    p = _child("1:quota=0.25", "wait", group)
+    path, _, watcher = p.stdout.readline().split()
+    os.kill(int(watcher), signal.SIGKILL)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert Path(path).is_dir()  # nothing removed it
     q = _child("1:quota=0.5", "exit", group)  # the next start (the same rank) sweeps the dead one's group
-    new, _ = q.stdout.readline().split()
-    assert q.wait() == 0 and not path.exists() and not Path(new).exists()  # and removes its own at the end
+    q.stdout.readline()
+    assert q.wait() == 0 and not Path(path).exists()
+
+
+def _trainer_pids(agent: int) -> list[int]:
+    return [c.pid for c in psutil.Process(agent).children(recursive=True)
+            if "hetero.trainer" in " ".join(c.cmdline())]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["set-up", "training"])
+def test_a_sigkill_of_torchruns_agent_leaves_no_cgroup(group, tmp_path, when):
+    """Issue 48.6: the agent's SIGKILL kills its workers by PR_SET_PDEATHSIG, so no teardown runs in rank 1; its
+    group must go all the same (its watcher), during the set-up as during training."""
+    run = tmp_path / "run"
+    args = ["--model", "tiny", "--data", "synthetic", "--subset", "1024", "--test-subset", "256", "--global-batch",
+            "128", "--epochs", "20", "--threads", "1", "--straggler", "1:quota=0.5", "--run-dir", str(run)]
+    env = {**clean_env(), straggler.ENV_CGROUP: str(group)}
+    agent = subprocess.Popen(torchrun_cmd(2, args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (made := [p for p in group.iterdir() if p.is_dir()]) and time.monotonic() < deadline:
+            assert agent.poll() is None
+            time.sleep(0.02)
+        assert made, "rank 1 never made its cgroup"
+        while when == "training" and not (run / "summary.json").exists() and time.monotonic() < deadline:
+            assert agent.poll() is None
+            time.sleep(0.05)
+        workers = _trainer_pids(agent.pid)
+        assert workers and all(p.is_dir() for p in made)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        assert all(_gone(p) for p in made), [p for p in group.iterdir() if p.is_dir()]
+        assert not [p for p in group.iterdir() if p.is_dir()]
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
 
 
 def test_a_busy_neighbour_dies_with_its_rank(group):
     p = _child("1:neighbour=busy", "wait", group)
-    _, busy = p.stdout.readline().split()
+    _, busy, _ = p.stdout.readline().split()
     assert int(busy) in _busy_pids()
     assert os.sched_getaffinity(int(busy)) == os.sched_getaffinity(p.pid)  # on the rank's own cores
     p.send_signal(signal.SIGKILL)

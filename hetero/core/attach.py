@@ -18,6 +18,7 @@ from .agree import HeteroError, gather_identities
 from .engine import Engine, emulated
 from .guard import OptimizerGuard
 from .hook import balance_hook
+from .replay import fit
 from .rules import whole
 from .settings import Settings
 from .settle import settle
@@ -38,6 +39,7 @@ def bind(current: Engine | None, settings: Settings, rank: int, world: int, hete
     e = Engine.build(settings, rank, world, hetero, replay)
     if length:
         e.plan.set_length(length)
+    fit(replay, world, e.plan.steps_per_epoch)  # a record of another world's ranks is refused here
     return e
 
 
@@ -78,4 +80,5 @@ def plug(e: Engine | None, what: str, hetero: str | None = None,
         if e.plan.at.started:  # plugged in mid-run: its draws follow the epoch already started
             e.emulator.start_epoch(e.plan.at.epoch)
     if replay is not None:
+        fit(replay, e.world, e.plan.steps_per_epoch)
         e.plan.replayed = replay

@@ -31,6 +31,7 @@ from .metrics import metrics as read_out
 from .plan import Plan, epoch_length
 from .probe import probe_all
 from .records import Decision, StepRecord
+from .replay import fit, recorded
 from .rules import whole
 from .sampler import BalancedBatchSampler
 from .settings import Settings
@@ -122,11 +123,16 @@ class Balance:
         self._hetero = spec
 
     def replay(self, sizes: dict[int, np.ndarray]) -> None:
-        """Train with recorded sizes {epoch: [steps, world]} instead of deciding (no decisions are made).
+        """Train with recorded sizes {epoch: [steps, world]} instead of deciding (no decisions are made). The
+        record must cover what the loop runs: consecutive epochs, each with the epoch's steps, one column per
+        rank of this world, each step's sizes summing to global_batch.
 
         Raises:
-            HeteroError: called after attach.
+            ValueError: a record that does not fit, in one line: here, or when the world or the epoch length
+                becomes known (bind, batch_sampler).
+            HeteroError: called after attach; an epoch (or, without epochs, a step) past the record when it runs.
         """
+        sizes = recorded(sizes, self.settings)
         plug(self._engine, "replay", replay=sizes)
         self._replay = sizes
 
@@ -170,6 +176,7 @@ class Balance:
         self._length = epoch_length(self.settings, n_samples)  # the world may bind later (Lightning's launcher)
         if self._engine is not None:
             self._engine.plan.set_length(n_samples)
+            fit(self._engine.plan.replayed, self._engine.world, self._engine.plan.steps_per_epoch)
         return BalancedBatchSampler(self._plan, self._length, self.settings.seed if seed is None else
                                     whole("seed", seed, 0), self.set_epoch)
 

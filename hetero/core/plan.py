@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import replay
 from .agree import HeteroError, gather_rows, guarded, remap_identities
 from .balancer import Balancer
 from .cpuquota import own_quota
@@ -104,7 +105,7 @@ class Plan:
         pos = self.position(epoch, step)
         if pos not in self.planned:
             if self.replayed is not None:
-                self.planned[pos] = np.asarray(self.replayed[epoch][step], np.int64)
+                self.planned[pos] = replay.sizes(self.replayed, epoch, step)
             else:  # the regime in force at pos; affine's first epoch probes two sizes (Balancer.sizes_for_step)
                 regime = next(b for start, b in reversed(self.regimes) if start <= pos)
                 self.planned[pos] = np.array(regime.sizes_for_step(step), np.int64)

@@ -222,7 +222,8 @@ class Balance:
 
     @property
     def micro_batches(self) -> int:
-        """This rank's micro-batches in the current step (the next one, between steps); 1 without micro_batch."""
+        """This rank's micro-batches in the current step (the next one, between steps, also before an epoch's first
+        batch: that step's sizes are fixed then); 1 without micro_batch."""
         e, m = self.engine, self.settings.micro_batch
         if e.step is not None:
             return e.step.expected

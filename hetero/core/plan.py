@@ -129,13 +129,12 @@ class Plan:
         if at.started and at.epoch == epoch and first >= self.steps_per_epoch:
             raise HeteroError(f"hetero: epoch {epoch} has run all its {self.steps_per_epoch} steps and the loader "
                               f"is iterated again: call bal.set_epoch(epoch) before each epoch")
-        pos = self.position(epoch, first)
-        if pos < self.handed:
-            if self.iterated == epoch:
-                raise HeteroError(f"hetero: the loader was iterated twice in epoch {epoch} (a `next(iter(loader))` "
-                                  f"peek, or a second pass): each step's batches are handed out once; learn the "
-                                  f"sizes from bal.sizes_at(epoch, step) instead of peeking")
-            raise HeteroError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
+        # positions fixed by sizes_at alone (bal.micro_batches read before the first batch) are handed out as
+        # fixed; only a second pass of a sampler over the epoch is refused
+        if self.position(epoch, first) < self.handed and self.iterated == epoch:
+            raise HeteroError(f"hetero: the loader was iterated twice in epoch {epoch} (a `next(iter(loader))` "
+                              f"peek, or a second pass): each step's batches are handed out once; learn the "
+                              f"sizes from bal.sizes_at(epoch, step) instead of peeking")
         self.iterated = epoch
         return first
 

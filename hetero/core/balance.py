@@ -31,7 +31,7 @@ from .metrics import metrics as read_out
 from .plan import Plan, epoch_length
 from .probe import probe_all
 from .records import Decision, StepRecord
-from .replay import fit, recorded
+from .replay import recorded
 from .rules import whole
 from .sampler import BalancedBatchSampler
 from .settings import Settings
@@ -123,14 +123,11 @@ class Balance:
         self._hetero = spec
 
     def replay(self, sizes: dict[int, np.ndarray]) -> None:
-        """Train with recorded sizes {epoch: [steps, world]} instead of deciding (no decisions are made). The
-        record must cover what the loop runs: consecutive epochs, each with the epoch's steps, one column per
-        rank of this world, each step's sizes summing to global_batch.
+        """Train with recorded sizes {epoch: [steps, world]} instead of deciding: consecutive epochs of the epoch's
+        steps, one column per rank, each step summing to global_batch (replay.py checks them as each is known).
 
         Raises:
-            ValueError: a record that does not fit, in one line: here, or when the world or the epoch length
-                becomes known (bind, batch_sampler).
-            HeteroError: called after attach; an epoch (or, without epochs, a step) past the record when it runs.
+            ValueError: a record that does not fit the world or the epoch. HeteroError: after attach; past the record.
         """
         sizes = recorded(sizes, self.settings)
         plug(self._engine, "replay", replay=sizes)
@@ -176,7 +173,6 @@ class Balance:
         self._length = epoch_length(self.settings, n_samples)  # the world may bind later (Lightning's launcher)
         if self._engine is not None:
             self._engine.plan.set_length(n_samples)
-            fit(self._engine.plan.replayed, self._engine.world, self._engine.plan.steps_per_epoch)
         return BalancedBatchSampler(self._plan, self._length, self.settings.seed if seed is None else
                                     whole("seed", seed, 0), self.set_epoch)
 
@@ -222,8 +218,8 @@ class Balance:
 
     @property
     def micro_batches(self) -> int:
-        """This rank's micro-batches in the current step (the next one, between steps, also before an epoch's first
-        batch: that step's sizes are fixed then); 1 without micro_batch."""
+        """This rank's micro-batches in the current step (the next one, between steps and before an epoch's first
+        batch); 1 without micro_batch."""
         e, m = self.engine, self.settings.micro_batch
         if e.step is not None:
             return e.step.expected

@@ -120,6 +120,7 @@ class Plan:
         """The epoch's length: floor(n / B) steps."""
         n = epoch_length(self.settings, n_samples)
         self.n_samples, self.steps_per_epoch = n, n // self.settings.global_batch
+        replay.fit(self.replayed, self.world, self.steps_per_epoch)  # a record of other epochs is refused here
 
     def start_iteration(self, epoch: int) -> int:
         """A sampler starts handing out `epoch`: refuse a second pass and an epoch already run; returns the step to

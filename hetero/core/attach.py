@@ -17,6 +17,7 @@ from .agree import HeteroError
 from .engine import Engine, build, emulated
 from .guard import OptimizerGuard
 from .hook import balance_hook
+from .replay import fit
 from .rules import whole
 from .settings import Settings
 
@@ -37,6 +38,7 @@ def bind(current: Engine | None, settings: Settings, rank: int, world: int, hete
     e = build(settings, rank, world, hetero, replay)
     if length:
         e.plan.schedule.set_length(length)
+    fit(replay, world, e.plan.schedule.steps_per_epoch)  # a record of another world's ranks is refused here
     return e
 
 
@@ -69,6 +71,7 @@ def plug(e: Engine | None, what: str, hetero: str | None = None,
     if e.link.model is not None:
         raise HeteroError(f"hetero: {what}() after attach: plug it in before bal.attach(model)")
     if replay is not None:
+        fit(replay, e.plan.world, e.plan.schedule.steps_per_epoch)
         e.plan.schedule.replayed = replay
     if hetero is not None:
         p = e.plan

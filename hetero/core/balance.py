@@ -32,6 +32,7 @@ from .metrics import metrics as read_out
 from .plan import Plan
 from .probe import probe_all
 from .records import Decision, Position, StepRecord
+from .replay import recorded
 from .rules import whole
 from .sampler import BalancedBatchSampler
 from .schedule import epoch_length
@@ -131,11 +132,13 @@ class Balance:
         self._hetero = spec
 
     def replay(self, sizes: dict[int, np.ndarray]) -> None:
-        """Train with recorded sizes {epoch: [steps, world]} instead of deciding (no decisions are made).
+        """Train with recorded sizes {epoch: [steps, world]} instead of deciding: consecutive epochs of the epoch's
+        steps, one column per rank, each step summing to global_batch (replay.py checks them as each is known).
 
         Raises:
-            HeteroError: called after attach.
+            ValueError: a record that does not fit the world or the epoch. HeteroError: after attach; past the record.
         """
+        sizes = recorded(sizes, self.settings)
         self._engine = plug(self._engine, "replay", replay=sizes)
         self._replay = sizes
 
@@ -238,7 +241,8 @@ class Balance:
 
     @property
     def micro_batches(self) -> int:
-        """This rank's micro-batches in the current step (the next one, between steps); 1 without micro_batch."""
+        """This rank's micro-batches in the current step (the next one, between steps and before an epoch's first
+        batch); 1 without micro_batch."""
         e, m = self.engine, self.settings.micro_batch
         if (s := e.running(required=False)) is not None:
             return s.expected

@@ -15,6 +15,7 @@ import copy
 
 import numpy as np
 
+from . import replay
 from .agree import HeteroError
 from .balancer import Balancer
 from .partition import check_feasible
@@ -86,7 +87,7 @@ class SizeSchedule:
         pos = self.index(epoch, step)
         if pos not in self.planned:
             if self.replayed is not None:
-                self.planned[pos] = np.asarray(self.replayed[epoch][step], np.int64)
+                self.planned[pos] = replay.sizes(self.replayed, epoch, step)
             else:  # the regime in force at pos; affine's first epoch probes two sizes (Balancer.sizes_for_step)
                 regime = next(b for start, b in reversed(self.regimes) if start <= pos)
                 self.planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
@@ -101,6 +102,7 @@ class SizeSchedule:
         """The epoch's length: floor(n / B) steps."""
         n = epoch_length(self.settings, n_samples)
         self.n_samples, self.steps_per_epoch = n, n // self.settings.global_batch
+        replay.fit(self.replayed, self.world, self.steps_per_epoch)  # a record of other epochs is refused here
 
     def start_iteration(self, epoch: int, first: int) -> int:
         """A sampler starts handing out `epoch` at step `first` (> 0 in an epoch resumed mid-way): refuse a second
@@ -108,12 +110,12 @@ class SizeSchedule:
         if first >= self.steps_per_epoch:
             raise HeteroError(f"hetero: epoch {epoch} has run all its {self.steps_per_epoch} steps and the loader "
                               f"is iterated again: call bal.set_epoch(epoch) before each epoch")
-        if self.index(epoch, first) < self.handed:
-            if self.iterated == epoch:
-                raise HeteroError(f"hetero: the loader was iterated twice in epoch {epoch} (a `next(iter(loader))` "
-                                  f"peek, or a second pass): each step's batches are handed out once; learn the "
-                                  f"sizes from bal.sizes_at(epoch, step) instead of peeking")
-            raise HeteroError(f"hetero: epoch {epoch} was already handed out: call bal.set_epoch(epoch) each epoch")
+        # positions fixed by sizes_at alone (bal.micro_batches read before the first batch) are handed out as
+        # fixed; only a second pass of a sampler over the epoch is refused
+        if self.index(epoch, first) < self.handed and self.iterated == epoch:
+            raise HeteroError(f"hetero: the loader was iterated twice in epoch {epoch} (a `next(iter(loader))` "
+                              f"peek, or a second pass): each step's batches are handed out once; learn the "
+                              f"sizes from bal.sizes_at(epoch, step) instead of peeking")
         self.iterated = epoch
         return first
 

@@ -23,6 +23,9 @@ of accelerate's, as short (docs/huggingface.md#accelerate-accumulation):
             if bal.sync_now:                   # the step's last micro-batch: gradients summed over the ranks
                 opt.step(); sched.step(); opt.zero_grad()
 
+accelerator.sync_gradients is then true on every micro-batch (gradient_accumulation_steps is 1): a loop that counts
+optimizer steps counts where bal.sync_now is true, or reads bal.position.global_step.
+
 An FSDP2 model (FullyShardedDataParallelPlugin(fsdp_version=2)) attaches the same way: prepare returns the
 fully_shard'ed root, and attach installs hetero's weighted reduce-scatter on it (hetero.core.fsdp).
 """
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 from ..core.balance import Balance
@@ -41,7 +45,12 @@ from ..core.balance import Balance
 def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
     """accelerator.prepare(*objects) (a model, optimizers, LR schedulers; never a DataLoader), then
     balance.attach(the prepared model) and one scheduler step per optimizer step. Returns what prepare returns.
-    Collective (attach): call it on every rank."""
+    Collective (attach): call it on every rank.
+
+    Raises:
+        ValueError: in one line: a DataLoader among the objects, gradient_accumulation_steps other than 1, not
+            exactly one model, or several CPU ranks without Accelerator(cpu=True) (accelerate would wrap no DDP).
+    """
     if not isinstance(balance, Balance):
         raise TypeError(f"hetero: prepare(accelerator, balance, ...) takes a hetero.Balance, not "
                         f"{type(balance).__name__}")
@@ -55,6 +64,11 @@ def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
                          f"where bal.sync_now")
     if (n := sum(isinstance(o, torch.nn.Module) for o in objects)) != 1:
         raise ValueError(f"hetero: prepare takes exactly one model ({n} given): the one whose gradient hetero weights")
+    if accelerator.distributed_type == DistributedType.NO and balance.size > 1:
+        # under torchrun on CPU ranks accelerate finds no accelerator and, without cpu=True, runs no DDP at all
+        raise ValueError(f"hetero: accelerate runs no DDP on these {balance.size} ranks ({accelerator.device} "
+                         f"without cpu=True): build Accelerator(cpu=True) or set ACCELERATE_USE_CPU=1, so that "
+                         f"prepare wraps the model in DistributedDataParallel, whose all-reduce hetero weights")
     prepared = accelerator.prepare(*objects)
     out = tuple(prepared) if isinstance(prepared, (tuple, list)) else (prepared,)  # FSDP2's prepare: a list
     balance.attach(next(p for o, p in zip(objects, out) if isinstance(o, torch.nn.Module)))

@@ -209,6 +209,10 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
     missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
     if missing:
         raise ConfigError(f"cannot replay {cfg.replay}: it has no record of {steps} steps for epoch {missing[0]}")
+    if replay is not None:  # the epochs this run trains (a record may hold more, or a partial one past them)
+        replay = {e: replay[e] for e in range(1, cfg.epochs + 1)}
+        if not cfg.sit_out and any((v == 0).any() for v in replay.values()):
+            raise ConfigError(f"cannot replay {cfg.replay}: it gives a rank batch 0, which only --sit-out allows")
     lock = claim_run_dir(run_dir, resume, cfg.overwrite, read, cfg.tensorboard) if rank == 0 else None  # for good
     if ns.check:
         if lock is not None:

@@ -67,3 +67,38 @@ def test_prepare_steps_the_schedule_once_per_optimizer_step(tmp_path):
         assert got["loader"] == ("hetero: leave hetero's DataLoader out of prepare: accelerate would shard its "
                                  "batch sampler again (BatchSamplerShard) and hand this rank every world-th of its "
                                  "own batches")
+
+
+
+CPU_WITHOUT_FLAG = """
+import torch
+from accelerate import Accelerator
+import hetero
+from hetero.integrations.hf_accelerate import prepare
+accelerator = Accelerator()  # no cpu=True: under torchrun on CPU it starts the process group but builds no DDP
+try:
+    prepare(accelerator, hetero.Balance(global_batch=8), torch.nn.Linear(2, 1))
+except ValueError as e:
+    print(e, flush=True)
+"""
+
+
+@pytest.mark.slow  # two processes importing accelerate
+def test_cpu_ranks_without_cpu_true_are_told_how_to_get_ddp(tmp_path):
+    """#48 item 8: under torchrun on CPU, Accelerator() builds no DDP, and the refusal said "wrap it in
+    DistributedDataParallel, or fully_shard it" instead of naming the Accelerator's own switch."""
+    import sys
+
+    from helpers import _env, bounded
+
+    script = tmp_path / "loop.py"
+    script.write_text(CPU_WITHOUT_FLAG)
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("ACCELERATE_USE_CPU", None)
+    p = bounded([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 str(script)], env, 300)
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    assert p.returncode == 0 and len(lines) == 2, p.stdout + p.stderr  # one line from each rank
+    for line in lines:
+        assert line.startswith("hetero: accelerate runs no DDP on these 2 ranks"), line
+        assert "Accelerator(cpu=True)" in line and "ACCELERATE_USE_CPU=1" in line, line

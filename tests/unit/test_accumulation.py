@@ -150,3 +150,39 @@ def test_lightning_refuses_micro_batches(monkeypatch):
     callback = hetero.BalanceCallback(hetero.Balance(global_batch=16, micro_batch=4))
     with pytest.raises(ValueError, match="micro_batch is not supported with Lightning"):
         callback.on_fit_start(SimpleNamespace(accumulate_grad_batches=1), None)
+
+
+def test_micro_batches_asked_before_an_epoch_s_first_batch_is_that_step_s_count(monkeypatch):
+    """#48 item 8: a loop that reads bal.micro_batches after set_epoch and before iterating its loader (an
+    Accelerate loop sizing its progress) had the loader refuse with "call bal.set_epoch", which it had called."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hetero.lab.launch import free_port
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        bal = hetero.Balance(global_batch=8, micro_batch=2)
+        ddp = DDP(torch.nn.Linear(2, 1))
+        bal.attach(ddp)
+        loader = bal.batch_sampler(16)
+        for epoch in (0, 1):
+            bal.set_epoch(epoch)
+            k = bal.micro_batches  # before the epoch's first batch: the count of its first step
+            seen = []
+            for idx in loader:
+                with bal.step(len(idx)):
+                    ddp(torch.randn(len(idx), 2)).sum().backward()
+                seen += idx
+            assert k == 4 and len(seen) == 16 and sorted(seen) == list(range(16))
+        with pytest.raises(hetero.HeteroError, match="iterated again: call bal.set_epoch"):
+            next(iter(loader))  # the refusal it is meant for still stands: an epoch run twice
+    finally:
+        dist.destroy_process_group()

@@ -108,7 +108,7 @@ def test_state_dict_loads_with_weights_only(monkeypatch):
     other.load_state_dict(torch.load(buf, weights_only=True))
     assert other.position == bal.position == hetero.Position(1, 2, 2, 4)
     other.set_epoch(2)
-    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.global_step == 4
+    assert other.sizes_at(2, 0).tolist() == [24, 8] and other.position.global_step == 4
 
 
 @pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])

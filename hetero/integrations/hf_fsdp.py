@@ -4,7 +4,7 @@ FSDP2 plugin (`fully_shard` on the wrapped layers, a tail group and the root), w
 
 - `Balance.attach` on the Trainer's FSDP2 root (its `model_wrapped`), which installs the weighted reduce-scatter;
 - with accumulation (micro_batch m), each of this rank's k_i micro-batches runs through the core's micro-batch door
-  (`bal.engine.micro`), which opens it with the FSDP2 schedule (the step's first unshards every module, only the
+  (`Engine.micro`), which opens it with the FSDP2 schedule (the step's first unshards every module, only the
   last reduce-scatters) where DDP takes no_sync;
 - the loss probe (hf_loss.decide) runs a different number of forwards on each rank, so it runs with every module
   unsharded once and kept so (`gathered`): no all-gather inside it.

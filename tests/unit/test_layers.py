@@ -138,3 +138,49 @@ def test_the_front_stays_thin():
     public = [n for n in vars(Balance) if not n.startswith("_")]
     assert len(lines) < 280, len(lines)
     assert len(public) <= 26, public
+
+
+# -- issue 46: the floor under the front ------------------------------------------------------------------------
+# What an integration may call on the engine (docs/api.md, the extension surface); everything else goes through the
+# Balance's own verbs (bal.position, bal.set_weight, bal.begin_step, ...).
+EXTENSION_SURFACE = {"micro", "running", "count_forward"}
+
+
+def _public_names(path: Path, cls: str) -> set[str]:
+    """A class's public names: methods, properties and `self.X =` targets without a leading underscore."""
+    node = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == cls)
+    names = {f.name for f in node.body if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+    for n in ast.walk(node):
+        targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []
+        for t in targets:
+            for e in ast.walk(t):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self" \
+                        and not e.attr.startswith("_"):
+                    names.add(e.attr)
+    return names
+
+
+def test_the_engine_and_the_plan_are_small():
+    """Issue 46: Engine had 28 public names and Plan 34; the parts beneath keep their state private."""
+    engine = _public_names(PKG / "core" / "engine.py", "Engine")
+    plan = _public_names(PKG / "core" / "plan.py", "Plan")
+    assert len(engine) <= 10, sorted(engine)
+    assert len(plan) <= 12, sorted(plan)
+    assert EXTENSION_SURFACE <= engine
+
+
+def test_nothing_outside_the_core_reaches_into_the_engine():
+    """Outside hetero/core: no `.engine.plan` (or `.engine.link`), and `.engine.X` only for X in the documented
+    extension surface; at most 4 such calls in all, each in an integration."""
+    import re
+
+    reach = re.compile(r"\.engine\.([A-Za-z_]+)")
+    calls = []
+    for path in sorted(PKG.rglob("*.py")):
+        if path.is_relative_to(PKG / "core"):
+            continue
+        for ln, line in enumerate(path.read_text().splitlines(), 1):
+            calls += [(str(path.relative_to(ROOT)), ln, m.group(1)) for m in reach.finditer(line)]
+    assert all(name in EXTENSION_SURFACE for _, _, name in calls), calls
+    assert all(f.startswith("hetero/integrations/") for f, _, _ in calls), calls
+    assert len(calls) <= 4, calls

@@ -112,7 +112,9 @@ def _exact_worker(rank: int, out: str) -> None:
                                  logging_strategy="no", report_to=[], disable_tqdm=True,
                                  ddp_find_unused_parameters=False)
         cls = HeteroTrainer if wrong is None else type("Wrong", (WrongWeight,), {"wrong": wrong})
-        trainer = cls(model=make(), args=args, train_dataset=data(), balance=bal)
+        # a per-sample mean over one label per row: its count (rows = tokens) is said, never told (hf_loss)
+        trainer = cls(model=make(), args=args, train_dataset=data(), balance=bal,
+                      loss_mean="rows" if data is Points else None)
         trainer.train()
         result[name] = [p.detach().flatten().tolist() for p in trainer.model.parameters()]
         result["sizes"] = bal.last_sizes

@@ -57,8 +57,18 @@ class HeteroTrainer(Trainer):
     """transformers.Trainer with hetero's per-rank batch sizes, b_i/B (or token-share) weighting and rebalancing."""
 
     def __init__(self, *args, balance: Balance, loss_mean: str | None = None, **kwargs):
-        """loss_mean: what the loss is a mean over (hf_loss.KINDS): "trainer" (the Trainer's num_items_in_batch),
-        "tokens", "shifted" or "rows"; None: found at the first step, refused where it cannot be told."""
+        """The Trainer's arguments, and:
+
+        Args:
+            balance: the hetero.Balance that sizes each rank's share of the Trainer's global batch.
+            loss_mean: what the loss divides by: "trainer" (the Trainer's num_items_in_batch), "tokens"
+                (labels != -100), "shifted" (labels[..., 1:] != -100) or "rows" (a per-sample mean); checked at the
+                first step. None: found there, and refused in one line where the batches cannot tell it.
+
+        Raises:
+            TypeError: balance is not a hetero.Balance.
+            ValueError: loss_mean is none of these.
+        """
         if loss_mean is not None and loss_mean not in hf_loss.KINDS:
             raise ValueError(f"hetero: HeteroTrainer(loss_mean={loss_mean!r}) takes one of "
                              f"{', '.join(map(repr, hf_loss.KINDS))} or None (found from the loss)")

@@ -67,8 +67,7 @@ class HeteroTrainer(Trainer):
 
         Raises:
             TypeError: balance is not a hetero.Balance.
-            ValueError: loss_mean is none of these.
-        """
+            ValueError: loss_mean is none of these."""
         if loss_mean is not None and loss_mean not in hf_loss.KINDS:
             raise ValueError(f"hetero: HeteroTrainer(loss_mean={loss_mean!r}) takes one of "
                              f"{', '.join(map(repr, hf_loss.KINDS))} or None (found from the loss)")

@@ -15,17 +15,19 @@ What it changes in the Trainer (docs/huggingface.md):
 - on FSDP2 (fsdp_config fsdp_version 2) the Balance attaches to the fully_shard'ed root: hetero's weighted
   reduce-scatter in place of the comm hook, its micro-batch schedule in place of no_sync (hf_fsdp.py).
 
-The loss conventions, decided at each train()'s first step from what the loss does (hf_loss.decide, collective),
-not from the forward's signature (BERT's forward(**kwargs) takes num_items_in_batch and never reads it):
+The loss conventions, said by the user (loss_mean=) or found at each train()'s first step from what the loss does,
+and checked there either way (hf_loss.decide, collective), never read from the forward's signature (BERT's
+forward(**kwargs) takes num_items_in_batch and never reads it):
 (a) the loss divides by the Trainer's count ("trainer"), average_tokens_across_devices=True (the default): the
     Trainer gathers the global count N, each rank's loss is world * (its token-loss sum) / N, and DDP's mean over
     ranks is the exact global token mean. hetero must not weight again: weight 1/world.
 (b) the loss divides by the Trainer's count, average_tokens_across_devices=False: each rank's loss is its own sum
     over its count n_i; the weight is the count share n_i / sum(n) (one scalar all-reduce per step).
-(c) the loss is a mean over a count of its own ("tokens", "shifted" or "rows", found by the probe): the weight is
+(c) the loss is a mean over a count of its own ("tokens", "shifted" or "rows", said or found): the weight is
     this rank's share of that count (an all-reduce for tokens; b_i/B for rows), divided by world where the Trainer
     multiplied the loss by world taking it for (a).
-A loss that fits none (an extra term, a sum) is refused in one line naming the class, on every rank.
+A loss that fits none (an extra term, a sum), or a count the first step cannot tell and the user did not say, is
+refused in one line on every rank.
 """
 from __future__ import annotations
 
@@ -53,11 +55,26 @@ STATE_NAME = hf_resume.STATE_NAME  # in each checkpoint-N folder, beside trainer
 class HeteroTrainer(Trainer):
     """transformers.Trainer with hetero's per-rank batch sizes, b_i/B (or token-share) weighting and rebalancing."""
 
-    def __init__(self, *args, balance: Balance, **kwargs):
+    def __init__(self, *args, balance: Balance, loss_mean: str | None = None, **kwargs):
+        """The Trainer's arguments, and:
+
+        Args:
+            balance: the hetero.Balance that sizes each rank's share of the Trainer's global batch.
+            loss_mean: what the loss divides by: "trainer" (the Trainer's num_items_in_batch), "tokens"
+                (labels != -100), "shifted" (labels[..., 1:] != -100) or "rows" (a per-sample mean); checked at the
+                first step. None: found there, and refused in one line where the batches cannot tell it.
+
+        Raises:
+            TypeError: balance is not a hetero.Balance.
+            ValueError: loss_mean is none of these."""
+        if loss_mean is not None and loss_mean not in hf_loss.KINDS:
+            raise ValueError(f"hetero: HeteroTrainer(loss_mean={loss_mean!r}) takes one of "
+                             f"{', '.join(map(repr, hf_loss.KINDS))} or None (found from the loss)")
         if not isinstance(balance, Balance):
             raise TypeError(f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
                             f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")
         self.balance, self._resumed = balance, None  # _resumed: hetero's checkpoint state, applied at train begin
+        self.loss_mean = loss_mean  # the user's word on the loss's count, checked by hf_loss.decide
         self._loss_kind: str | None = None  # what the loss does with the Trainer's count (hf_loss.decide), per train()
         self._share: float | None = None  # this step's share of the count the loss averages over (get_batch_samples)
         self._micro_scale = 1.0  # the running micro-batch's share of this rank's count (training_step)
@@ -159,7 +176,7 @@ class HeteroTrainer(Trainer):
         passed = num_items if self.model_accepts_loss_kwargs or self.compute_loss_func else None
         if self._loss_kind is None:  # FSDP2: the probe's forwards, unequal per rank, must not all-gather
             with hf_fsdp.gathered(self.model_wrapped):
-                self._loss_kind = hf_loss.decide(self, batches[0], passed, dev)
+                self._loss_kind = hf_loss.decide(self, batches, passed, dev, self.loss_mean)
         kind, own = self._loss_kind, None
         if kind == "trainer" and passed is not None and not self.args.average_tokens_across_devices:
             own = float(num_items)  # (b) with the Trainer's count: this rank's own (not gathered)

@@ -112,7 +112,9 @@ def _exact_worker(rank: int, out: str) -> None:
                                  logging_strategy="no", report_to=[], disable_tqdm=True,
                                  ddp_find_unused_parameters=False)
         cls = HeteroTrainer if wrong is None else type("Wrong", (WrongWeight,), {"wrong": wrong})
-        trainer = cls(model=make(), args=args, train_dataset=data(), balance=bal)
+        # a per-sample mean over one label per row: its count (rows = tokens) is said, never told (hf_loss)
+        trainer = cls(model=make(), args=args, train_dataset=data(), balance=bal,
+                      loss_mean="rows" if data is Points else None)
         trainer.train()
         result[name] = [p.detach().flatten().tolist() for p in trainer.model.parameters()]
         result["sizes"] = bal.last_sizes
@@ -225,3 +227,13 @@ def test_a_balance_that_is_not_a_balance_is_one_line(tmp_path, balance):
         HeteroTrainer(model=MeanLoss(), args=args, train_dataset=Points(), balance=balance)
     assert str(e.value) == (f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
                             f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")
+
+
+@pytest.mark.parametrize("loss_mean", ["mean", "samples", 1])
+def test_a_loss_mean_that_is_none_of_the_kinds_is_one_line(tmp_path, loss_mean):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ValueError) as e:
+        HeteroTrainer(model=MeanLoss(), args=args, train_dataset=Points(), balance=hetero.Balance(global_batch=B),
+                      loss_mean=loss_mean)
+    assert str(e.value) == (f"hetero: HeteroTrainer(loss_mean={loss_mean!r}) takes one of 'trainer', 'tokens', "
+                            f"'shifted', 'rows' or None (found from the loss)")

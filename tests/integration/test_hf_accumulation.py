@@ -70,7 +70,7 @@ def _worker(rank: int, out: str) -> None:
         bal = hetero.Balance(global_batch=B, micro_batch=M, seed=SEED)
         bal.replay({0: [SIZES]})
         trainer = cls(model=make(), args=_args(f"{out}/{name}", average, M, G), train_dataset=data(),
-                      compute_loss_func=func, balance=bal)
+                      compute_loss_func=func, balance=bal, loss_mean="rows" if data is Points else None)
         try:
             trainer.train()
         except (RuntimeError, ValueError) as e:

@@ -3,7 +3,8 @@ matrix of real model classes built from tiny configs: one HeteroTrainer SGD step
 equals one step of the plain single-process Trainer on the union of the two batches (padded rows included), with
 average_tokens_across_devices True and False; a loss that fits no convention is refused in one line naming the class.
 BertForSequenceClassification takes **kwargs but never reads num_items_in_batch: deciding from the signature (the
-Trainer's model_accepts_loss_kwargs) sums the ranks' means, 0.05 off."""
+Trainer's model_accepts_loss_kwargs) sums the ranks' means, 0.05 off. Its count, one label per row, is said
+(loss_mean="tokens"): tokens and rows cannot be told apart there (test_hf_loss_rule.py: refused unsaid)."""
 from __future__ import annotations
 
 import json
@@ -114,7 +115,7 @@ def with_aux(outputs, labels, num_items_in_batch=None):
 CASES = {
     "llama": ("LlamaForCausalLM", "lm", None, "trainer"),
     "gpt2": ("GPT2LMHeadModel", "lm", None, "trainer"),
-    "bert_seqcls": ("BertForSequenceClassification", "seqcls", None, "tokens"),  # labels per row: tokens = rows
+    "bert_seqcls": ("BertForSequenceClassification", "seqcls", None, "tokens"),  # said (SAID): tokens = rows
     "bert_mlm": ("BertForMaskedLM", "mlm", None, "tokens"),
     "t5": ("T5ForConditionalGeneration", "lm", None, "tokens"),
     "vit": ("ViTForImageClassification", "image", None, "trainer"),  # its loss_function reads the count
@@ -122,6 +123,7 @@ CASES = {
     "func_mean": ("LlamaForCausalLM", "lm", own_mean, "shifted"),
     "func_aux": ("LlamaForCausalLM", "lm", with_aux, None),
 }
+SAID = {"bert_seqcls": "tokens"}  # HeteroTrainer(loss_mean=...): one label per row cannot tell tokens from rows
 
 
 def _args(out: str, average: bool, batch: int) -> tf.TrainingArguments:
@@ -142,12 +144,13 @@ def _worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     result = {}
     for name, (model, fields, func, _) in [*CASES.items(), ("signature", CASES["bert_seqcls"])]:
+        said = SAID.get("bert_seqcls" if name == "signature" else name)
         for average in (True, False):
             bal = hetero.Balance(global_batch=B, seed=SEED)
             bal.replay({0: [SIZES]})
             cls = SignatureTrainer if name == "signature" else HeteroTrainer
             trainer = cls(model=MODELS[model](), args=_args(f"{out}/{name}", average, B // 2),
-                          train_dataset=Rows(fields), compute_loss_func=func, balance=bal)
+                          train_dataset=Rows(fields), compute_loss_func=func, balance=bal, loss_mean=said)
             try:
                 trainer.train()
             except ValueError as e:

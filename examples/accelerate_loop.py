@@ -8,7 +8,7 @@
 (--multi_gpu is accelerate's torchrun launcher, also for CPU ranks: the script asks for Accelerator(cpu=True) when
 there is no GPU; `--cpu` would start one process.)
 
-What hetero needs from Accelerate: hetero.integrations.hf_accelerate.prepare(accelerator, bal, model, opt, sched)
+What hetero needs from Accelerate: hetero.integrations.accelerate.prepare(accelerator, bal, model, opt, sched)
 instead of accelerator.prepare (the model becomes DDP and bal.attach installs the weighting hook on it; the LR
 scheduler steps once per optimizer step, where accelerate's would step once per process: hetero's len(loader) is
 already the steps per epoch), and hetero's loader left out of prepare: prepare would wrap its batch sampler in a
@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from transformers import get_linear_schedule_with_warmup
 
 import hetero
-from hetero.integrations.hf_accelerate import prepare
+from hetero.integrations.accelerate import prepare
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_trainer import CharText, tiny_gpt2  # noqa: E402  (the same local text and model as the Trainer example)

@@ -1,8 +1,9 @@
 """hetero: heterogeneity-aware synchronous data-parallel training (Sync-SGD, DP-SGD, EDP-SGD and beyond).
 
-Three layers, each importing only the ones before it:
+Four layers, each importing only the ones before it:
 - hetero.core: the library (Balance, its sampler, comm hook, balancers and partition maths); torch and numpy only.
-- hetero.integrations: the core inside other engines' loops (Lightning, the Hugging Face Trainer), optional extras.
+- hetero.integrations: the core inside other engines' loops (Lightning, the Hugging Face Trainer, Accelerate, Ray),
+  optional extras.
 - hetero.trainer: the built-in CIFAR-10 trainer (`python -m hetero.trainer`), one user of the core.
 - hetero.lab: grids, reports, the simulator and the benchmarks, on top of both.
 """
@@ -10,7 +11,7 @@ from .core import __version__  # noqa: F401 - re-exported (__all__)
 
 _CORE = {"Balance": "balance", "BalancedBatchSampler": "sampler", "Decision": "records", "HeteroError": "agree",
          "Position": "records", "StepRecord": "records"}
-__all__ = sorted([*_CORE, "BalanceCallback", "__version__"])
+__all__ = sorted([*_CORE, "BalanceCallback", "HeteroTrainer", "__version__"])
 
 
 def __getattr__(name: str):
@@ -21,4 +22,7 @@ def __getattr__(name: str):
     if name == "BalanceCallback":  # needs the [lightning] extra
         from .integrations.lightning import BalanceCallback
         return BalanceCallback
+    if name == "HeteroTrainer":  # needs the [hf] extra
+        from .integrations.hf import HeteroTrainer
+        return HeteroTrainer
     raise AttributeError(f"module 'hetero' has no attribute {name!r}")

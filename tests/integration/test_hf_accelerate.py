@@ -1,4 +1,4 @@
-"""hetero.integrations.hf_accelerate.prepare on 2 gloo ranks: a linear LR schedule sized `len(loader) * epochs` over
+"""hetero.integrations.accelerate.prepare on 2 gloo ranks: a linear LR schedule sized `len(loader) * epochs` over
 hetero's loader ends exactly at the end of the last epoch, where accelerate's own prepare (which steps the scheduler
 once per process per optimizer step) reaches LR 0 at the end of epoch 1 of 2; a DataLoader given to prepare is one
 line. Optimizer steps without gradients: only the schedule's count is under test."""
@@ -16,7 +16,7 @@ from accelerate import Accelerator  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import hetero  # noqa: E402
-from hetero.integrations.hf_accelerate import prepare  # noqa: E402
+from hetero.integrations.accelerate import prepare  # noqa: E402
 from hetero.lab.launch import free_port  # noqa: E402
 
 N, B, EPOCHS, LR = 40, 8, 2, 1.0  # 5 steps per epoch
@@ -74,7 +74,7 @@ CPU_WITHOUT_FLAG = """
 import torch
 from accelerate import Accelerator
 import hetero
-from hetero.integrations.hf_accelerate import prepare
+from hetero.integrations.accelerate import prepare
 accelerator = Accelerator()  # no cpu=True: under torchrun on CPU it starts the process group but builds no DDP
 try:
     prepare(accelerator, hetero.Balance(global_batch=8), torch.nn.Linear(2, 1))

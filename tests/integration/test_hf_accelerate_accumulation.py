@@ -2,7 +2,7 @@
 (Balance(micro_batch=2, global_batch=8)): the pattern that takes the place of accelerator.accumulate(model) (each
 micro-batch in `with bal.step():`, the optimizer stepped where bal.sync_now) makes one optimizer step equal to one
 single-process step on the union, on a DDP model and on an FSDP2 model (FullyShardedDataParallelPlugin(fsdp_version=2),
-prepared by accelerate and attached by hetero.integrations.hf_accelerate.prepare); the weight doubled or removed
+prepared by accelerate and attached by hetero.integrations.accelerate.prepare); the weight doubled or removed
 (scheme "dp": each rank's mean over its own micro-batches, the ranks alike) is caught, and an Accelerator that
 accumulates a fixed count on every rank (gradient_accumulation_steps=2) is refused in one line.
 
@@ -25,7 +25,7 @@ from test_hf_fsdp import _fsdp_on_cpu  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import hetero  # noqa: E402
-from hetero.integrations.hf_accelerate import prepare  # noqa: E402
+from hetero.integrations.accelerate import prepare  # noqa: E402
 from hetero.lab.launch import free_port  # noqa: E402
 
 from helpers import max_diff  # noqa: E402

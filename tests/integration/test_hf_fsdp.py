@@ -30,7 +30,7 @@ from test_hf_accumulation import Doubled, Removed, Union  # noqa: E402
 
 import hetero  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
-from hetero.integrations.hf_fsdp import CPU_REFUSAL  # noqa: E402
+from hetero.integrations.hf.fsdp import CPU_REFUSAL  # noqa: E402
 from hetero.lab.launch import free_port  # noqa: E402
 
 from helpers import max_diff  # noqa: E402

@@ -1,4 +1,4 @@
-"""The HF Trainer's loss convention decided from what each model's loss does (hetero.integrations.hf_loss), as a
+"""The HF Trainer's loss convention decided from what each model's loss does (hetero.integrations.hf.loss), as a
 matrix of real model classes built from tiny configs: one HeteroTrainer SGD step on 2 gloo ranks with sizes 3 and 13
 equals one step of the plain single-process Trainer on the union of the two batches (padded rows included), with
 average_tokens_across_devices True and False; a loss that fits no convention is refused in one line naming the class.

@@ -6,7 +6,7 @@ FSDP2 plugin (`fully_shard` on the wrapped layers, a tail group and the root), w
 - with accumulation (micro_batch m), each of this rank's k_i micro-batches runs through the core's micro-batch door
   (`Engine.micro`), which opens it with the FSDP2 schedule (the step's first unshards every module, only the
   last reduce-scatters) where DDP takes no_sync;
-- the loss probe (hf_loss.decide) runs a different number of forwards on each rank, so it runs with every module
+- the loss probe (loss.decide) runs a different number of forwards on each rank, so it runs with every module
   unsharded once and kept so (`gathered`): no all-gather inside it.
 
 Refused, one line each: FSDP1 (`fsdp_version` 1), and `fsdp` on CPU ranks, where accelerate 1.15 keeps no FSDP
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ..core import fsdp
+from ...core import fsdp
 
 CPU_REFUSAL = ("hetero: fsdp on CPU ranks: accelerate keeps its FSDP plugin only on accelerator devices "
                "(accelerate/state.py, AcceleratorState: CPU ranks are MULTI_CPU), so the Trainer would train DDP "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from transformers import Trainer, TrainerCallback
 
-from ..core.metrics import metrics
+from ...core.metrics import metrics
 
 
 class BalanceMetrics(TrainerCallback):

@@ -1,7 +1,7 @@
 """hetero in a plain Accelerate loop: `prepare` is `accelerator.prepare` for the model, optimizer and LR scheduler,
 with the Balance attached and the scheduler stepped once per optimizer step.
 
-    model, opt, sched = hetero.integrations.hf_accelerate.prepare(accelerator, bal, model, opt, sched)
+    model, opt, sched = hetero.integrations.accelerate.prepare(accelerator, bal, model, opt, sched)
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))   # not prepared; len(loader) = steps per epoch
 
 Why the scheduler: accelerate's prepared scheduler (AcceleratedScheduler) steps the wrapped scheduler

@@ -11,9 +11,9 @@ What it changes in the Trainer (docs/huggingface.md):
 - a callback brackets every optimizer step (begin_step at on_step_begin, end_step at on_step_end: the step clock,
   decisions every K steps and at epoch ends) and attaches the comm hook to the Trainer's DDP model;
 - training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
-- hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...) (hf_resume.py).
+- hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...) (resume.py).
 - on FSDP2 (fsdp_config fsdp_version 2) the Balance attaches to the fully_shard'ed root: hetero's weighted
-  reduce-scatter in place of the comm hook, its micro-batch schedule in place of no_sync (hf_fsdp.py).
+  reduce-scatter in place of the comm hook, its micro-batch schedule in place of no_sync (fsdp.py).
 
 The loss conventions, said by the user (loss_mean=) or found at each train()'s first step from what the loss does,
 and checked there either way (hf_loss.decide, collective), never read from the forward's signature (BERT's
@@ -44,10 +44,13 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
-from ..core import fsdp, safeio
-from ..core.balance import Balance
-from . import hf_accumulate, hf_fsdp, hf_loss, hf_resume
-from .hf_metrics import register as register_metrics
+from ...core import fsdp, safeio
+from ...core.balance import Balance
+from . import accumulate as hf_accumulate
+from . import fsdp as hf_fsdp
+from . import loss as hf_loss
+from . import resume as hf_resume
+from .metrics import register as register_metrics
 
 STATE_NAME = hf_resume.STATE_NAME  # in each checkpoint-N folder, beside trainer_state.json
 
@@ -80,7 +83,7 @@ class HeteroTrainer(Trainer):
         self._micro_scale = 1.0  # the running micro-batch's share of this rank's count (training_step)
         super().__init__(*args, **kwargs)
         self.add_callback(_BalanceSteps(self))
-        register_metrics(self, balance)  # the hetero/ read-out in every training log (hf_metrics.py)
+        register_metrics(self, balance)  # the hetero/ read-out in every training log (metrics.py)
 
     # -- what the Trainer must not do with hetero -----------------------------------------------------------------
     def _refuse(self) -> None:

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ..core.balance import Balance
+from ...core.balance import Balance
 
 STATE_NAME = "hetero_balance.pt"  # in each checkpoint-N folder, beside trainer_state.json
 

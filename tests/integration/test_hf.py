@@ -213,11 +213,11 @@ def test_set_weight_replaces_the_step_weight_and_needs_a_step(monkeypatch):
     bal.batch_sampler(B)
     bal.set_epoch(0)
     with pytest.raises(RuntimeError, match="outside `with bal.step"):
-        bal.engine.set_weight(0.5)
+        bal.set_weight(0.5)
     bal.begin_step(0)
-    assert bal.engine.step.weight == SIZES[1] / B      # b_i/B, replaced below for this step only
-    bal.engine.set_weight(0.5)
-    assert bal.engine.step.weight == 0.5
+    assert bal.engine.running().weight == SIZES[1] / B      # b_i/B, replaced below for this step only
+    bal.set_weight(0.5)
+    assert bal.engine.running().weight == 0.5
 
 
 @pytest.mark.parametrize("balance", ["edp", None, 32])

@@ -49,7 +49,7 @@ def _step(accelerator: Accelerator, scheme: str, factor: float) -> dict:
     for batch in loader:                        # this rank's k_i micro-batches of M
         with bal.step():                        # in place of accelerator.accumulate(model)
             if factor != 1:
-                bal.engine.set_weight(bal.engine.running().weight * factor)
+                bal.set_weight(bal.engine.running().weight * factor)
             accelerator.backward(model(**batch)["loss"])
             micro.append(len(batch["x"]))
             if bal.sync_now:

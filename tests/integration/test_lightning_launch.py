@@ -123,7 +123,7 @@ def test_model_parallel_strategy_with_per_rank_batch_sizes_is_exact(tmp_path):
                                                ("equal", "cannot tell")])
 def test_the_exactness_check_fails_when_the_weighting_is_doubled_or_removed_or_the_counts_equal(tmp_path, broken,
                                                                                                  fails):
-    """Negative controls of the check above (DDP): this rank's weight doubled (engine.set_weight), no b_i/B
+    """Negative controls of the check above (DDP): this rank's weight doubled (bal.set_weight), no b_i/B
     weighting (scheme "sync": the mean of rank means), and counts [2, 2], where the two cannot be told apart."""
     ranks = _exact(tmp_path, "ddp", "micro", broken)
     with pytest.raises(AssertionError, match=fails):

@@ -64,7 +64,7 @@ class Module(L.LightningModule):
     def _double(self):
         step = self.bal.engine.running()
         if self.broken == "double" and step.left == step.expected:  # once per step, before its backward
-            self.bal.engine.set_weight(2 * step.weight)
+            self.bal.set_weight(2 * step.weight)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)

@@ -153,10 +153,10 @@ def test_balance_takes_its_worker_id_over_the_environment_and_the_environment_ov
         bal = Balance(global_batch=8, scheme="edp", **kw)
         bal.attach(DDP(torch.nn.Linear(2, 2)))
         return bal
-    assert attached().engine.plan.identities == ["slow"]                      # the environment's name for local rank 1
-    assert attached(worker_id="mine").engine.plan.identities == ["mine"]      # the library's argument comes first
+    assert attached().workers == ["slow"]                      # the environment's name for local rank 1
+    assert attached(worker_id="mine").workers == ["mine"]      # the library's argument comes first
     monkeypatch.setenv("HETERO_WORKER_ID", "slow")                # a name of its own (srun sets it per process)
-    assert attached().engine.plan.identities == ["slow"]
+    assert attached().workers == ["slow"]
     monkeypatch.setenv("HETERO_WORKER_ID", "a,b,c")
     with pytest.raises(HeteroError, match="lists 3 names for the 2 worker"):
         attached()

@@ -8,7 +8,6 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,9 +17,7 @@ from . import noisefit
 from .coupled import coupled_batch_sizes, finish_s, fit_scale, unshare
 from .launch import clean_env, torchrun_cmd
 from .measure import add_speedup_vs_sync, launch, steady_epochs
-
-if TYPE_CHECKING:
-    from .bench import Suite
+from .suite import Suite
 
 
 def affinity(world: int, pin: bool) -> str:

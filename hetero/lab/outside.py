@@ -11,7 +11,6 @@ import contextlib
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,20 +18,10 @@ from ..trainer import straggler
 from .efficiency import read_row
 from .launch import clean_env, torchrun_cmd
 from .measure import add_speedup_vs_sync, launch
-
-if TYPE_CHECKING:
-    from .bench import Suite
+from .suite import Suite, kinds
 
 WORLD = 2  # one rank per core on the 2-core host this part is sized for
 MOVED = 0.02  # a share that moved less than this between the levels before and during the neighbour did not follow it
-
-
-def kinds(world: int) -> dict[str, tuple[str, str]]:
-    """(label, --straggler) of each outside straggler on the last rank."""
-    last = world - 1
-    return {"quota": ("1/3 core (CFS quota, 100 ms periods)", f"{last}:quota=0.33"),
-            "quota-10ms": ("1/3 core (CFS quota, 10 ms periods)", f"{last}:quota=0.33@10ms"),
-            "neighbour": ("busy neighbour on its core", f"{last}:neighbour=busy")}
 
 
 def needs_cgroup(kind: str) -> bool:

@@ -25,12 +25,6 @@ EPOCH_KEYS = {"train_loss": "train/loss", "train_top1": "train/top1", "test_loss
               "balance_eff": "hetero/balance_eff"}
 
 
-def available() -> bool:
-    """Whether tensorboard is installed (torch's SummaryWriter needs it)."""
-    from importlib.util import find_spec
-    return find_spec("tensorboard") is not None
-
-
 class Board:
     """One SummaryWriter for the run folder; fed by Trainer._record with the rows of an epoch."""
 

@@ -197,8 +197,8 @@ class Config:
             if not (0 <= v < 1):
                 raise ConfigError(f"--{_flag(name)} must be in [0, 1) (got {v})")
         if self.tensorboard:
-            from .board import available
-            if not available():
+            from importlib.util import find_spec
+            if find_spec("tensorboard") is None:  # torch's SummaryWriter needs it
                 raise ConfigError("--tensorboard needs the tensorboard package: pip install 'hetero[tensorboard]'")
         if self.subset and self.subset < self.global_batch:
             raise ConfigError(f"--subset {self.subset} is smaller than the global batch {self.global_batch}")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..core.agree import gather_rows, sum_all
 from ..core.balance import Balance
 from ..core.emulator import within
+from ..core.records import Position
 from ..core.sampler import EpochPlan
 from ..core.seeding import AUGMENT, epoch_seed
 from .board import Board, progress
@@ -148,6 +149,43 @@ def make_balance(cfg: Config, rank: int, world_size: int, replay: dict | None = 
     return bal
 
 
+def optimiser(cfg: Config, model: torch.nn.Module) -> tuple[torch.optim.SGD,
+                                                          torch.optim.lr_scheduler.CosineAnnealingLR]:
+    """The run's SGD and its cosine schedule over --epochs."""
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0,
+                          weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.epochs)
+
+
+def done_at(p: Position | None) -> tuple[int, int]:
+    """(epochs completed, steps of the next epoch ended) at a Balance position. The trainer numbers its epochs from
+    1, so a fresh Balance (epoch 0, nothing run) and None (nothing saved yet) are (0, 0)."""
+    if p is None:
+        return 0, 0
+    return (p.epoch, 0) if p.epoch_complete else (max(p.epoch - 1, 0), p.step)
+
+
+def restore(s: dict, cfg: Config, model: torch.nn.Module, opt: torch.optim.Optimizer,
+            sched: torch.optim.lr_scheduler.CosineAnnealingLR, bal: Balance) -> list[EpochRow]:
+    """A checkpoint in the current layout loaded into a run's parts: weights, optimiser, schedule (re-laid when
+    --epochs changed), the Balance (its position is the run's), the RNGs; returns the history. The Trainer resumes
+    through it, and fit.check_checkpoint runs the very same reads on CPU stand-ins before any process group."""
+    model.load_state_dict(s["model"])
+    opt.load_state_dict(s["optimizer"])
+    sched.load_state_dict(s["scheduler"])
+    part = s.get("partial")
+    if part is not None:
+        [Segment.of(g) for g in part["segments"]]  # noqa: B018 - a malformed record fails here, not at the end
+    bal.load_state_dict(s["balance"])
+    if sched.T_max != cfg.epochs:  # --epochs changed on resume
+        relay_cosine(opt, sched, done_at(bal.position)[0], cfg.epochs)
+    history = [EpochRow(**r) for r in s["history"]]
+    torch.set_rng_state(s["rng"]["torch"])
+    name, keys, pos, has_gauss, cached = s["rng"]["numpy"]
+    np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
+    return history
+
+
 def own_samples(plan: EpochPlan, step: int, sizes: np.ndarray, rank: int) -> tuple[torch.Tensor, float]:
     """This rank's sample indices at the step and how much they count: 1, or 0 for a rank sitting out (batch 0,
     affine's sit_out). Such a rank still runs forward and backward, since DDP's all-reduce needs every rank: it
@@ -191,30 +229,29 @@ class Trainer:
         self.sampler = self.balance.batch_sampler(len(self.train_loader))  # the epoch's length; cut on the device
         self.ddp = wrap_ddp(self.model, dev)
         self.balance.attach(self.ddp)  # the weighting hook, with the step clock and the emulated delay
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                   nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
-        self.sched = torch.optim.lr_scheduler.CosineAnnealingLR(self.opt, T_max=cfg.epochs)
+        self.opt, self.sched = optimiser(cfg, self.model)
         self.folder = RunFolder(run_dir) if world.is_main else None
         # --tensorboard: event files beside the tables, from the same rows (board.py)
         self.board = Board(run_dir, len(self.train_loader) // cfg.global_batch) if cfg.tensorboard and \
             world.is_main else None
-        self.epoch, self.train_time_s = 0, 0.0
-        self.saved_epoch = 0  # the last epoch in the checkpoint: what a summary may claim as completed
+        self.train_time_s = 0.0
         self.history: list[EpochRow] = []
-        # the running epoch's part saved by a step checkpoint (--checkpoint-every): where it goes on and what ran
+        # where the run is: the Balance's position alone (bal.position); the checkpoint on disk holds `saved`, the
+        # position it was taken at (what a summary may claim), None before the first
+        self.saved: Position | None = None
+        # a step checkpoint's record of the running epoch (--checkpoint-every): what ran, beyond the Balance's state
         self.partial: dict | None = None
-        self.saved_step = 0  # steps of epoch saved_epoch + 1 in the checkpoint
         self.first_step_time: float | None = None  # Unix time (s) at the end of this process's first step
-        self.resumed_from: dict | None = None  # the checkpoint's world: its identities, epoch and step
+        self.resumed_from: tuple[list[str] | None, int] | None = None  # the checkpoint's world: identities, size
 
     # -- checkpoint (plain data: loadable with weights_only=True) ---------------------------------------------
     def state_dict(self, partial: dict | None = None) -> dict:
-        """Collective (every rank, between steps; rank 0 saves it). epoch: the epochs completed; balance: the
-        Balance's own state_dict (its position: `step` steps of its `epoch`); partial (a step checkpoint): the running
-        epoch's steps so far, its metric totals, time and every rank's augmentation RNG and batch-norm buffers."""
+        """Collective (every rank, between steps; rank 0 saves it). balance: the Balance's own state_dict, the one
+        position (`step` steps of its `epoch` ended); partial (a step checkpoint): the running epoch's steps so far,
+        its metric totals, time and every rank's augmentation RNG and batch-norm buffers."""
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(),
                 "scheduler": self.sched.state_dict(), "balance": self._balance_state(),
-                "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed}, "epoch": self.epoch,
+                "emulator": {"spec": self.cfg.hetero, "seed": self.cfg.seed},
                 "train_time_s": self.train_time_s, "history": [asdict(r) for r in self.history], "partial": partial,
                 "rng": {"torch": torch.get_rng_state(), "numpy": _numpy_rng_plain(np.random.get_state())}}
 
@@ -224,42 +261,27 @@ class Trainer:
         return self.balance.state_dict()
 
     def load_state_dict(self, s: dict) -> None:
-        """A checkpoint in the current layout (runfolder.RunFolder.load_trainer_checkpoint, check_checkpoint)."""
-        self.model.load_state_dict(s["model"])
-        self.opt.load_state_dict(s["optimizer"])
-        self.sched.load_state_dict(s["scheduler"])
-        if self.sched.T_max != self.cfg.epochs:  # --epochs changed on resume
-            relay_cosine(self.opt, self.sched, s["epoch"], self.cfg.epochs)
-        part = s.get("partial")
-        if part is not None:
-            [Segment.of(g) for g in part["segments"]]  # noqa: B018 - a malformed record fails here, not at the end
-        self.balance.load_state_dict(s["balance"])
-        self.epoch, self.train_time_s = s["epoch"], s["train_time_s"]
-        self.saved_epoch, self.partial = self.epoch, part
-        self.saved_step = part["step"] if part else 0
-        ids, world = balance_world(s["balance"])
-        self.resumed_from = {"identities": ids, "world": world, "epoch": self.epoch, "step": self.saved_step}
-        self.history = [EpochRow(**r) for r in s["history"]]
-        torch.set_rng_state(s["rng"]["torch"])
-        name, keys, pos, has_gauss, cached = s["rng"]["numpy"]
-        np.random.set_state((name, np.asarray(keys, np.uint32), pos, has_gauss, cached))
+        """A checkpoint in the current layout (runfolder.RunFolder.load_trainer_checkpoint, checked by
+        fit.check_checkpoint): the run goes on from the Balance's position as saved."""
+        self.history = restore(s, self.cfg, self.model, self.opt, self.sched, self.balance)
+        self.train_time_s, self.partial = s["train_time_s"], s.get("partial")
+        self.saved, self.resumed_from = self.balance.position, balance_world(s["balance"])
 
     # -- one epoch --------------------------------------------------------------------------------------------
     def train_epoch(self, epoch: int, bar=None) -> EpochResult:
         cfg, w, bal = self.cfg, self.world, self.balance
         plan = self.sampler.plan(epoch, w.device)
-        part = self.partial if self.partial is not None and self.partial["epoch"] == epoch else None
-        start = part["step"] if part else 0
+        bal.set_epoch(epoch)  # the emulator's draws follow the epoch; an epoch resumed mid-way stays where it is
+        start = bal.position.step  # > 0: a step checkpoint's epoch goes on, from its record
+        part = self.partial if start else None
         self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank))
-        ids = bal.engine.plan.identities
-        if part and part.get("identities") == ids and part.get("loader"):  # the same workers: exact
+        if part and self.resumed_from[0] == bal.workers and part.get("loader"):  # the same workers: exact
             self.train_loader.gen.set_state(part["loader"][w.rank])
             with torch.no_grad():  # each rank's own batch-norm statistics (averaged only at the epoch's end)
                 for b, saved in zip(_float_buffers(self.model), part["buffers"][w.rank]):
                     b.copy_(saved)
         elif part:  # another world: fresh augmentation draws for the rest of the epoch, from (epoch, step, rank)
             self.train_loader.seed(epoch_seed(cfg.seed, epoch, AUGMENT + w.rank + 1000 * start))
-        bal.set_epoch(epoch)  # the emulator's draws follow the epoch
         # Metric sums and the first non-finite step stay on the device: no host sync inside the step.
         sums = torch.zeros(2, dtype=torch.float64, device=w.device)  # loss sum, correct
         first_bad = torch.tensor(-1, device=w.device)
@@ -291,7 +313,7 @@ class Trainer:
             if self.first_step_time is None:  # a restart's recovery ends here (make bench: recovery)
                 self.first_step_time = time.time()
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < plan.steps:
-                part = self._step_checkpoint(epoch, step + 1, start, part, sums, first_bad, t0)
+                part = self._step_checkpoint(epoch, start, part, sums, first_bad, t0)
                 start, t0 = step + 1, time.perf_counter()  # the next segment of the epoch
         self._check_finite(epoch, first_bad)
         segments, totals, train_s = self._gathered(start, part, sums, t0)
@@ -328,18 +350,17 @@ class Trainer:
             segments.append(Segment(start, sizes, *(per_rank[:, j] for j in range(len(TIMES)))))
         return segments, totals, (part["train_s"] if part else 0.0) + time.perf_counter() - t0
 
-    def _step_checkpoint(self, epoch: int, step: int, start: int, part: dict | None, sums: torch.Tensor,
+    def _step_checkpoint(self, epoch: int, start: int, part: dict | None, sums: torch.Tensor,
                          first_bad: torch.Tensor, t0: float) -> dict:
-        """Collective, between steps: the checkpoint after `step` steps of `epoch` (rank 0 writes it). Only the
-        checkpoint holds the partial epoch; its rows go to the tables when the epoch ends."""
+        """Collective, between steps: the checkpoint at the Balance's position inside `epoch` (rank 0 writes it).
+        Only the checkpoint holds the partial epoch; its rows go to the tables when the epoch ends."""
         w, bal = self.world, self.balance
         self._check_finite(epoch, first_bad)
         segments, totals, train_s = self._gathered(start, None, sums, t0)
         loaders, buffers = [None] * w.size, [None] * w.size
         dist.all_gather_object(loaders, self.train_loader.gen.get_state().cpu())
         dist.all_gather_object(buffers, [b.detach().cpu() for b in _float_buffers(self.model)])
-        new = {"epoch": epoch, "step": step, "identities": bal.engine.plan.identities, "loader": loaders,
-               "buffers": buffers,
+        new = {"loader": loaders, "buffers": buffers,
                "segments": (part["segments"] if part else []) + [g.plain() for g in segments],
                "totals": (np.asarray(part["totals"], float) + totals if part else totals).tolist(),
                "train_s": train_s + (part["train_s"] if part else 0.0)}
@@ -347,7 +368,7 @@ class Trainer:
         if w.is_main:
             self.folder.save_checkpoint(state)
         del state
-        self.saved_step = step
+        self.saved = bal.position
         if w.is_main:
             self.folder.write_json("summary.json", self.summary("running"))
         sums.zero_()  # the totals so far are in `new`; the next segment's start from 0
@@ -358,8 +379,7 @@ class Trainer:
         cfg, w = self.cfg, self.world
         from tqdm import tqdm
 
-        while self.epoch < cfg.epochs:
-            epoch = self.epoch + 1
+        for epoch in range(max(self.balance.position.next_epoch, 1), cfg.epochs + 1):  # a fresh Balance is at 0
             lr = self.opt.param_groups[0]["lr"]
             steps = len(self.train_loader) // cfg.global_batch
             # a step-by-step bar on a terminal only: in a log file each refresh is a line; the epoch line follows
@@ -373,13 +393,13 @@ class Trainer:
             ev = sum_all(evaluate(self.model, self.test_loader, cfg.eval_batch), w.coll_device)
             eval_s = time.perf_counter() - t_eval
             self.sched.step()
-            self.epoch, self.train_time_s = epoch, self.train_time_s + r.train_s
+            self.train_time_s += r.train_s
             row = self._record(epoch, r, ev, eval_s, lr)
             state = self.state_dict()  # collective
             if w.is_main:
                 self.folder.save_checkpoint(state)
             del state
-            self.saved_epoch, self.saved_step = epoch, 0  # rank 0 saved it (else it raised: a summary claims less)
+            self.saved = self.balance.position  # rank 0 saved it (else it raised: a summary claims less)
             if w.is_main:
                 self.folder.write_json("summary.json", self.summary("running"))
                 print(self._line(row), flush=True)
@@ -424,10 +444,11 @@ class Trainer:
 
     def summary(self, status: str, error: str = "") -> dict:
         """The run's summary.json: never more completed epochs (nor their results) than the checkpoint holds."""
-        h = [r for r in self.history if r.epoch <= self.saved_epoch]
+        done, step = done_at(self.saved)
+        h = [r for r in self.history if r.epoch <= done]
         return {"status": status, "error": error, "scheme": self.cfg.scheme, "model": self.cfg.model,
-                "hetero": self.cfg.hetero, "world_size": self.world.size, "epochs_completed": self.saved_epoch,
-                "checkpoint_step": self.saved_step, "first_step_time": self.first_step_time,
+                "hetero": self.cfg.hetero, "world_size": self.world.size, "epochs_completed": done,
+                "checkpoint_step": step, "first_step_time": self.first_step_time,
                 "epochs": self.cfg.epochs, "train_time_s": self.train_time_s,
                 "final_test_top1": h[-1].test_top1 if h else None,
                 "best_test_top1": max(r.test_top1 for r in h) if h else None,

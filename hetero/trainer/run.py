@@ -25,22 +25,21 @@ import uuid
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..core import safeio
-from ..core.agree import HeteroError, named_identity, remap_identities
+from ..core.agree import HeteroError, named_identity
 from . import runfolder, straggler
-from .checkpoint import RUN_UID, check_checkpoint, check_owner
+from .checkpoint import RUN_UID
 from .cli import parse_args
-from .config import Config, ConfigError, check_launch, shown
+from .config import Config, ConfigError, check_launch
 from .data import DataError, DataSet, load_data
 from .dist import World, apply_cpu_budget, env_world, setup, teardown
-from .loop import Trainer, TrainingError, evaluate, limits_text  # noqa: F401 - evaluate: part of this API
+from .fit import check_checkpoint, check_owner
+from .loop import Trainer, TrainingError, done_at, evaluate, limits_text  # noqa: F401 - evaluate: part of this API
 from .provenance import provenance
 from .resume import rejoined_config, resumed_config
-from .runfolder import DiskError, RunFolder, RunLock, claim_run_dir
+from .runfolder import DiskError, RunFolder, RunLock, claim_run_dir, load_replay, membership_rows
 from .straggler import StragglerError
 
 
@@ -55,71 +54,6 @@ def run_metadata(cfg: Config, world: World, run_dir: Path, identities: list[str]
             "ranks": ranks, **provenance(), "started": datetime.now().isoformat(timespec="seconds"),
             "torchrun": {k: os.environ[k] for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                                                    "LOCAL_WORLD_SIZE") if k in os.environ}}
-
-
-def membership_rows(trainer: Trainer, world: World) -> list[dict]:
-    """membership.csv: one row per worker at each start of the run (the first, a --resume, a torchrun restart):
-    when, after which epoch and step, the old and new world size, and each worker's identity with its rank in the
-    new world and in the old (-1: not in it; a worker that left has rank -1)."""
-    now, ids = datetime.now().isoformat(timespec="seconds"), trainer.balance.engine.plan.identities
-    was = trainer.resumed_from or {"identities": [], "world": 0, "epoch": 0, "step": 0}
-    old = was["identities"] or []
-    src = remap_identities(old, was["world"], ids, world.size) if was["world"] else [None] * world.size
-    base = {"time": now, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "epoch": was["epoch"],
-            "step": was["step"], "old_world": was["world"], "world": world.size}
-    rows = [{**base, "rank": r, "old_rank": -1 if src[r] is None else src[r], "identity": ids[r]}
-            for r in range(world.size)]
-    kept = {i for i in src if i is not None}
-    return rows + [{**base, "rank": -1, "old_rank": i, "identity": name} for i, name in enumerate(old)
-                   if i not in kept]
-
-
-REPLAY_COLUMNS = ("epoch", "step", "rank", "batch_size")
-
-
-def load_replay(run: Path, cfg: Config, world: int) -> dict[int, np.ndarray]:
-    """Recorded batch sizes {epoch: [steps, world]} of an earlier run, to train with the same partition; a file
-    that is not a complete record (empty, a column missing, text or negative sizes, duplicate or missing rows) is
-    one ConfigError."""
-    import io
-
-    import pandas as pd
-
-    path, where = run / "steps.csv", f"cannot replay {run}"
-    if not path.exists():
-        raise ConfigError(f"{where}: it has no steps.csv")
-    try:
-        df = pd.read_csv(io.BytesIO(safeio.read_bytes(path, "its steps file")))
-    except safeio.UnsafeFile as e:
-        raise ConfigError(f"{where}: {e.strerror}") from None
-    except (OSError, ValueError, pd.errors.ParserError) as e:  # EmptyDataError, UnicodeDecodeError are ValueErrors
-        raise ConfigError(f"{where}: its steps.csv is unreadable ({type(e).__name__}: "
-                          f"{shown(str(e).splitlines()[0] if str(e) else '', 80)})") from None
-    if missing := [c for c in REPLAY_COLUMNS if c not in df.columns]:
-        raise ConfigError(f"{where}: its steps.csv has no column {', '.join(missing)} (is it a hetero steps.csv?)")
-    if df.empty:
-        raise ConfigError(f"{where}: its steps.csv has no rows")
-    for c in REPLAY_COLUMNS:
-        if not pd.api.types.is_integer_dtype(df[c]) or (df[c] < 0).any():
-            bad = df[c][pd.to_numeric(df[c], errors="coerce").isna() | (pd.to_numeric(df[c], errors="coerce") < 0)]
-            raise ConfigError(f"{where}: its steps.csv column {c} holds {shown(bad.tolist()[0]) if len(bad) else 'a '}"
-                              f"{'' if len(bad) else 'fraction'}, not a whole number >= 0")
-    if (dup := df.duplicated(["epoch", "step", "rank"], keep=False)).any():
-        e, st, r = df.loc[dup, ["epoch", "step", "rank"]].iloc[0]
-        raise ConfigError(f"{where}: its steps.csv lists epoch {e} step {st} rank {r} twice")
-    if sorted(df["rank"].unique()) != list(range(world)):
-        raise ConfigError(f"{where}: it ran {df['rank'].nunique()} ranks, this run has {world}")
-    out = {}
-    for epoch, g in df.groupby("epoch"):
-        table = g.pivot(index="step", columns="rank", values="batch_size")
-        if list(table.index) != list(range(len(table))) or table.isna().any().any():
-            raise ConfigError(f"{where}: its steps.csv has gaps in epoch {epoch} (every step 0.. needs all {world} "
-                              f"ranks)")
-        sizes = table.to_numpy(np.int64)
-        if not np.all(sizes.sum(1) == cfg.global_batch):
-            raise ConfigError(f"{where}: its global batch is not {cfg.global_batch}")
-        out[int(epoch)] = sizes
-    return out
 
 
 def die_with_launcher() -> None:
@@ -277,12 +211,13 @@ def start_folder(trainer: Trainer, world: World, job: Job, meta: dict) -> None:
     if "probe" in cfg.max_batch:
         print(f"hetero: largest batch per rank (--max-batch {cfg.max_batch}): {limits_text(limits, world.size)} "
               f"('-': no limit; CPU ranks are not probed)", flush=True)
-    trainer.folder.start(meta, trainer.epoch if job.resume else None, cfg.overwrite)
-    trainer.folder.append("membership", membership_rows(trainer, world))
-    was = trainer.resumed_from
-    where = "" if not job.resume else f", resuming after epoch {trainer.epoch}" + (
-        f" at step {trainer.saved_step} of epoch {trainer.epoch + 1}" if trainer.saved_step else "") + (
-        f" (the checkpoint's world had {was['world']} rank(s))" if was and was["world"] != world.size else "")
+    done, step = done_at(trainer.balance.position)  # where the Balance resumed: what the checkpoint held
+    old_ids, old_world = trainer.resumed_from or ([], 0)
+    trainer.folder.start(meta, done if job.resume else None, cfg.overwrite)
+    trainer.folder.append("membership", membership_rows(trainer.balance.workers, old_ids, old_world, done, step))
+    where = "" if not job.resume else f", resuming after epoch {done}" + (
+        f" at step {step} of epoch {done + 1}" if step else "") + (
+        f" (the checkpoint's world had {old_world} rank(s))" if old_world and old_world != world.size else "")
     print(f"hetero: {cfg.model} {cfg.scheme} on {world.size} rank(s) ({world.backend}), run folder {run_dir}{where}",
           flush=True)
 
@@ -303,7 +238,7 @@ def train(job: Job, settings: list, rank: int, local_rank: int) -> int:
             dist.broadcast_object_list(state, src=0)
             trainer.load_state_dict(state[0])
             job.saved = state = None
-        meta = run_metadata(cfg, world, Path(cfg.run_dir), trainer.balance.engine.plan.identities)  # collective
+        meta = run_metadata(cfg, world, Path(cfg.run_dir), trainer.balance.workers)  # collective
         if world.is_main:
             started = True  # from here on a failure is this job's to record in the folder
             start_folder(trainer, world, job, meta)

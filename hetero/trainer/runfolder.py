@@ -21,6 +21,7 @@ import dataclasses
 import errno
 import fcntl
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -34,11 +35,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..core import safeio
+from ..core.agree import remap_identities
 from .checkpoint import RUN_UID, damage, opened, sealed
-from .config import Config, ConfigError, default_run_dir
+from .config import Config, ConfigError, default_run_dir, shown
 
 CONFIG, SUMMARY, CHECKPOINT, LOCK = "config.json", "summary.json", "checkpoint.pt", ".lock"
 TABLES = ("epochs", "ranks", "steps")
@@ -175,6 +178,71 @@ def epochs_done(folder: Path) -> int:
     except (OSError, ValueError, AttributeError):
         return 0
     return done if isinstance(done, int) else 0
+
+
+# -- who ran it, and a run's sizes read back for a replay ----------------------------------------------------------
+def membership_rows(ids: list[str], old_ids: list[str] | None, old_world: int, epoch: int, step: int) -> list[dict]:
+    """membership.csv: one row per worker at each start of the run (the first, a --resume, a torchrun restart):
+    when, after which epoch and step (the checkpoint's), the old and new world size, and each worker's identity
+    (ids: this world's, in rank order) with its rank in the new world and in the old (-1: not in it; a worker that
+    left has rank -1). old_world 0: a first start."""
+    now, world, old = datetime.now().isoformat(timespec="seconds"), len(ids), old_ids or []
+    src = remap_identities(old, old_world, ids, world) if old_world else [None] * world
+    base = {"time": now, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "epoch": epoch,
+            "step": step, "old_world": old_world, "world": world}
+    rows = [{**base, "rank": r, "old_rank": -1 if src[r] is None else src[r], "identity": ids[r]}
+            for r in range(world)]
+    kept = {i for i in src if i is not None}
+    return rows + [{**base, "rank": -1, "old_rank": i, "identity": name} for i, name in enumerate(old)
+                   if i not in kept]
+
+
+
+REPLAY_COLUMNS = ("epoch", "step", "rank", "batch_size")
+
+
+def load_replay(run: Path, cfg: Config, world: int) -> dict[int, np.ndarray]:
+    """Recorded batch sizes {epoch: [steps, world]} of an earlier run, to train with the same partition; a file
+    that is not a complete record (empty, a column missing, text or negative sizes, duplicate or missing rows) is
+    one ConfigError."""
+    import pandas as pd
+
+    path, where = run / "steps.csv", f"cannot replay {run}"
+    if not path.exists():
+        raise ConfigError(f"{where}: it has no steps.csv")
+    try:
+        df = pd.read_csv(io.BytesIO(safeio.read_bytes(path, "its steps file")))
+    except safeio.UnsafeFile as e:
+        raise ConfigError(f"{where}: {e.strerror}") from None
+    except (OSError, ValueError, pd.errors.ParserError) as e:  # EmptyDataError, UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{where}: its steps.csv is unreadable ({type(e).__name__}: "
+                          f"{shown(str(e).splitlines()[0] if str(e) else '', 80)})") from None
+    if missing := [c for c in REPLAY_COLUMNS if c not in df.columns]:
+        raise ConfigError(f"{where}: its steps.csv has no column {', '.join(missing)} (is it a hetero steps.csv?)")
+    if df.empty:
+        raise ConfigError(f"{where}: its steps.csv has no rows")
+    for c in REPLAY_COLUMNS:
+        if not pd.api.types.is_integer_dtype(df[c]) or (df[c] < 0).any():
+            bad = df[c][pd.to_numeric(df[c], errors="coerce").isna() | (pd.to_numeric(df[c], errors="coerce") < 0)]
+            raise ConfigError(f"{where}: its steps.csv column {c} holds {shown(bad.tolist()[0]) if len(bad) else 'a '}"
+                              f"{'' if len(bad) else 'fraction'}, not a whole number >= 0")
+    if (dup := df.duplicated(["epoch", "step", "rank"], keep=False)).any():
+        e, st, r = df.loc[dup, ["epoch", "step", "rank"]].iloc[0]
+        raise ConfigError(f"{where}: its steps.csv lists epoch {e} step {st} rank {r} twice")
+    if sorted(df["rank"].unique()) != list(range(world)):
+        raise ConfigError(f"{where}: it ran {df['rank'].nunique()} ranks, this run has {world}")
+    out = {}
+    for epoch, g in df.groupby("epoch"):
+        table = g.pivot(index="step", columns="rank", values="batch_size")
+        if list(table.index) != list(range(len(table))) or table.isna().any().any():
+            raise ConfigError(f"{where}: its steps.csv has gaps in epoch {epoch} (every step 0.. needs all {world} "
+                              f"ranks)")
+        sizes = table.to_numpy(np.int64)
+        if not np.all(sizes.sum(1) == cfg.global_batch):
+            raise ConfigError(f"{where}: its global batch is not {cfg.global_batch}")
+        out[int(epoch)] = sizes
+    return out
+
 
 
 # -- one job owns the folder ------------------------------------------------------------------------------------------

@@ -69,8 +69,8 @@ def test_step_checkpoint_resumes_mid_epoch_bit_for_bit(tmp_path):
     # 16 steps x 0.2 s per epoch: the kill lands after a checkpoint at step 6 of epoch 2, before its end
     proc = _launch([*base, "--checkpoint-every", "3", "--hetero", "1:delay=0.2", "--run-dir", str(run)], 2)
     state = _kill_after_checkpoint(run, proc, 1, 6)
-    k = state["partial"]["step"]
-    assert state["epoch"] == 1 and 6 <= k < STEPS and k % 3 == 0
+    k = state["balance"]["step"]  # the one position, the Balance's: k steps of epoch 2 ended, epoch 1 complete
+    assert state["balance"]["epoch"] == 2 and 6 <= k < STEPS and k % 3 == 0
     assert len(pd.read_csv(run / "epochs.csv")) == 1  # the partial epoch lives in the checkpoint only
     out = run_train(["--resume", str(run)], nproc=2).stdout
     assert f"resuming after epoch 1 at step {k} of epoch 2" in out

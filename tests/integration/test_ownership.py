@@ -52,7 +52,8 @@ def _copy(run, tmp_path):
 
 def test_checkpoint_holds_plain_data_only(done_run):
     state = torch.load(done_run / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == 1 and isinstance(state["rng"]["numpy"][1], list)
+    b = state["balance"]  # the one position, the Balance's: epoch 1 complete
+    assert (b["epoch"], b["step"]) == (1, b["steps_per_epoch"]) and isinstance(state["rng"]["numpy"][1], list)
 
 
 def test_crafted_checkpoint_is_refused_and_runs_nothing(done_run, tmp_path):
@@ -127,7 +128,8 @@ def test_disk_full_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, c
     summary = json.loads((run / "summary.json").read_text())
     # never more than the checkpoint holds (issue 23: it claimed the epoch whose checkpoint failed)
     assert summary["status"] == "failed" and "disk full" in summary["error"] and summary["epochs_completed"] == 1
-    assert RunFolder(run).load_checkpoint()["epoch"] == 1
+    b = RunFolder(run).load_checkpoint()["balance"]
+    assert (b["epoch"], b["step"]) == (1, b["steps_per_epoch"])  # epoch 1 complete
     assert not list(run.glob(".*.tmp"))
     assert not [ip for ip in calls[0] if ip not in LOOPBACK], calls[0]
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from hetero.lab.launch import free_port, torchrun_cmd
-from hetero.trainer.checkpoint import sealed
+from hetero.trainer.checkpoint import digest, sealed
 from hetero.trainer.runfolder import FILES
 
 from helpers import ROOT, _env, assert_one_line, check
@@ -96,7 +96,7 @@ def _raw(run: Path) -> dict:
 def test_a_step_moved_by_one_fails_the_digest_and_changes_nothing(step_run, tmp_path):
     run = _copy(step_run, tmp_path)
     state = _raw(run)
-    state["partial"]["step"] += 1  # 3 -> 4: one step's samples would never be trained
+    state["balance"]["step"] += 1  # 3 -> 4: one step's samples would never be trained
     torch.save(state, run / "checkpoint.pt")
     before = _files(run)
     _one_line(_cli(["--resume", str(run)]), "fails its integrity check")
@@ -140,9 +140,8 @@ def _resealed(edit):
 
 
 def _step(value):
-    def edit(state):
-        state["partial"]["step"] = value(state["partial"]["step"]) if callable(value) else value
-        state["balance"]["step"] = state["partial"]["step"]
+    def edit(state):  # the one position: the Balance's (the trainer's partial record holds none)
+        state["balance"]["step"] = value(state["balance"]["step"]) if callable(value) else value
     return edit
 
 
@@ -152,7 +151,7 @@ POSITIONS = [
     ("past it", _step(STEPS + 5), f"step 1..{STEPS - 1}"),
     ("1e9", _step(10**9), "step 1000000000"),
     ("zero", _step(0), "step 0"),
-    ("balance elsewhere", lambda s: s["balance"].update(step=s["balance"]["step"] + 1), "its balance state is at"),
+    ("balance elsewhere", lambda s: s["balance"].update(epoch=s["balance"]["epoch"] + 1), "its balance state is at"),
 ]
 
 
@@ -176,9 +175,20 @@ def test_a_position_past_the_epoch_stops_before_the_process_group_on_two_ranks(s
     assert "Connection closed" not in p.stderr and "rank 1: error" not in p.stderr
 
 
+def _format_2(state: dict) -> dict:
+    """A step checkpoint as format 2 wrote it: sealed, with the trainer's own position beside the Balance's (the epochs
+    completed, and the partial epoch's epoch, step and identities)."""
+    s = {k: v for k, v in state.items() if k not in ("sha256", "format")}
+    b = s["balance"]
+    s["epoch"] = b["epoch"] - 1
+    s["partial"] = {**s["partial"], "epoch": b["epoch"], "step": b["step"], "identities": b["identities"]}
+    body = {**s, "format": 2}
+    return {**body, "sha256": digest(body)}
+
+
 def _format_1(state: dict) -> dict:
-    """The checkpoint as the previous trainer wrote it: no digest, the Balance's state spread at the top level."""
-    s = {k: v for k, v in state.items() if k not in ("sha256", "format", "balance")}
+    """The checkpoint as the first trainer wrote it: no digest, the Balance's state spread at the top level."""
+    s = {k: v for k, v in _format_2(state).items() if k not in ("sha256", "format", "balance")}
     b = state["balance"]
     return {**s, "balancer": b["balancer"], "global_step": b["global_step"], "identities": b["identities"]}
 
@@ -193,7 +203,7 @@ def test_a_previous_format_checkpoint_passes_check_with_one_warning(step_run, tm
 @pytest.mark.slow  # a resumed run to its end
 def test_a_previous_format_checkpoint_resumes_with_a_warning(step_run, tmp_path):
     run = _copy(step_run, tmp_path)
-    step = _raw(run)["partial"]["step"]
+    step = _raw(run)["balance"]["step"]
     torch.save(_format_1(_raw(run)), run / "checkpoint.pt")
     p = _cli(["--resume", str(run)])
     assert p.returncode == 0, p.stderr[-3000:]
@@ -202,6 +212,73 @@ def test_a_previous_format_checkpoint_resumes_with_a_warning(step_run, tmp_path)
     assert f"at step {step} of epoch 1" in p.stdout
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert "sha256" in _raw(run) and "balance" in _raw(run)  # saved again in the current format
+
+
+def test_a_checkpoint_keeps_one_position_the_balances(step_run):
+    """Issue 46: the trainer keeps no epoch or step of its own beside the Balance's state: its step checkpoint's
+    record holds what the Balance does not (totals, segments, RNG states, buffers, time), the position is the
+    Balance's (here 3 steps of epoch 1 of 8)."""
+    state = _raw(step_run)
+    assert state["format"] == 3 and "epoch" not in state
+    assert sorted(state["partial"]) == ["buffers", "loader", "segments", "totals", "train_s"]
+    b = state["balance"]
+    assert (b["epoch"], b["step"], b["steps_per_epoch"]) == (1, 3, STEPS)
+
+
+def test_a_format_2_step_checkpoint_passes_check_without_a_warning(step_run, tmp_path, monkeypatch, capsys):
+    run = _copy(step_run, tmp_path)
+    torch.save(_format_2(_raw(run)), run / "checkpoint.pt")
+    assert check(["--resume", str(run)], monkeypatch, capsys) == (0, [])
+
+
+def test_a_format_2_checkpoint_whose_two_positions_disagree_is_one_line(step_run, tmp_path, monkeypatch, capsys):
+    run = _copy(step_run, tmp_path)
+    state = _format_2(_raw(run))
+    del state["sha256"]
+    state["partial"]["step"] += 1  # the trainer's copy says 4, the Balance's 3: which one ran is not guessed
+    torch.save({**state, "sha256": digest(state)}, run / "checkpoint.pt")
+    assert_one_line(*check(["--resume", str(run)], monkeypatch, capsys),
+                    "its balance state is at epoch 1 step 3, the checkpoint at epoch 1 step 4")
+
+
+@pytest.fixture(scope="module")
+def epoch_run(tmp_path_factory) -> Path:
+    """A one-process run of one complete epoch: its checkpoint is at the epoch's end."""
+    run = tmp_path_factory.mktemp("epoch") / "run"
+    p = _cli([*RUN, "--epochs", "1", "--run-dir", str(run)])
+    assert p.returncode == 0, p.stderr[-3000:]
+    return run
+
+
+def _resumed_to_2_epochs(run: Path) -> subprocess.CompletedProcess:
+    p = _cli(["--resume", str(run), "--epochs", "2"])
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resuming after epoch 1" in p.stdout and "at step" not in p.stdout, p.stdout
+    steps = [ln.split(",")[:3] for ln in (run / "steps.csv").read_text().splitlines()[1:]]
+    assert sorted(int(s) for e, s, _ in steps if e == "2") == list(range(STEPS))  # epoch 2, every step once
+    assert sorted(int(s) for e, s, _ in steps if e == "1") == list(range(STEPS))  # epoch 1 kept, not run again
+    assert json.loads((run / "summary.json").read_text())["epochs_completed"] == 2
+    return p
+
+
+@pytest.mark.slow  # a run resumed for one epoch
+def test_an_epoch_end_checkpoint_resumes_into_the_next_epoch_with_every_step(epoch_run, tmp_path):
+    run = _copy(epoch_run, tmp_path)
+    b = _raw(run)["balance"]
+    assert (b["epoch"], b["step"]) == (1, STEPS)  # a complete epoch: step = steps_per_epoch
+    _resumed_to_2_epochs(run)
+
+
+@pytest.mark.slow  # a run resumed for one epoch
+def test_a_format_2_epoch_end_checkpoint_of_a_version_2_balance_state_resumes_into_the_next_epoch(epoch_run,
+                                                                                                    tmp_path):
+    run = _copy(epoch_run, tmp_path)
+    s = {k: v for k, v in _raw(run).items() if k not in ("sha256", "format")}
+    s = {**s, "epoch": 1, "balance": {**s["balance"], "version": 2, "step": 0}, "format": 2}  # 2: an end is step 0
+    torch.save({**s, "sha256": digest(s)}, run / "checkpoint.pt")
+    p = _resumed_to_2_epochs(run)
+    assert not [ln for ln in p.stderr.splitlines() if ln.startswith("hetero:")], p.stderr
+    assert _raw(run)["format"] == 3  # saved again in the current format
 
 
 def test_a_current_layout_without_its_digest_is_refused(step_run, tmp_path, monkeypatch, capsys):

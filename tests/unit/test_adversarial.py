@@ -298,7 +298,9 @@ def test_disk_full_inside_torch_save_says_disk_full(tmp_path, monkeypatch, capsy
     assert rc == 1 and "disk full writing" in err[-1] and "unexpected pos" not in err[-1], err
     summary = json.loads((run / "summary.json").read_text())
     state = torch.load(run / "checkpoint.pt", weights_only=True)
-    assert state["epoch"] == 1 and summary["epochs_completed"] == 1 and "disk full" in summary["error"]
+    b = state["balance"]  # the one position, the Balance's: epoch 1 complete
+    assert (b["epoch"], b["step"]) == (1, b["steps_per_epoch"])
+    assert summary["epochs_completed"] == 1 and "disk full" in summary["error"]
 
 
 # -- 7. no hangs -------------------------------------------------------------------------------------------------

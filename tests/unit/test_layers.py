@@ -184,3 +184,84 @@ def test_nothing_outside_the_core_reaches_into_the_engine():
     assert all(name in EXTENSION_SURFACE for _, _, name in calls), calls
     assert all(f.startswith("hetero/integrations/") for f, _, _ in calls), calls
     assert len(calls) <= 4, calls
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _layer_graph(layer: str) -> dict[str, set[str]]:
+    """A layer's modules -> the modules of the same layer each imports, wherever the import stands (ast.walk sees a
+    function's own imports too: a circle closed inside a function is a circle). An import of a module's own package
+    (`from . import x`) names the package only to reach x: it is no edge to the package's __init__."""
+    files = {_module_name(p): p for p in sorted((PKG / layer).rglob("*.py"))}
+    graph = {}
+    for name, path in files.items():
+        own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}  # its packages
+        graph[name] = {m for m in _imports(path) if m in files and m != name and m not in own}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    part = []
+                    while True:
+                        m = stack.pop()
+                        on.discard(m)
+                        part.append(m)
+                        if m == node:
+                            break
+                    if len(part) > 1:
+                        out.append(sorted(part))
+    return out
+
+
+def test_no_layer_has_an_import_circle_not_even_through_a_function_local_import():
+    """Issue 46: every layer's import graph, function-local imports included, has no strongly connected component of
+    more than one module (a circle closed by an import inside a function is still a circle)."""
+    found = {layer: _circles(_layer_graph(layer)) for layer in ALLOWED}
+    assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+def test_the_circle_finder_sees_a_circle_closed_inside_a_function(tmp_path):
+    # the rule above must be able to fail: a -> b at the top, b -> a inside a function, c apart
+    pkg = tmp_path / "hetero" / "trainer"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .c import x\n")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("from . import c\n\ndef f():\n    from .a import g\n    return g\n")
+    (pkg / "c.py").write_text("x = 1\n")
+    global ROOT, PKG
+    saved, ROOT, PKG = (ROOT, PKG), tmp_path, tmp_path / "hetero"
+    try:
+        graph = _layer_graph("trainer")
+    finally:
+        ROOT, PKG = saved
+    assert graph["hetero.trainer.b"] == {"hetero.trainer.a", "hetero.trainer.c"}
+    assert _circles(graph) == [["hetero.trainer.a", "hetero.trainer.b"]]
+    assert _circles({"x": {"y"}, "y": {"z"}, "z": set()}) == []

@@ -53,6 +53,8 @@ class CharLM(L.LightningModule):
                     opt.step()
                     opt.zero_grad()
                     break
+        if not losses:  # nothing left to pull (Lightning's call past a resumed epoch's end, before hetero fixed it)
+            return
         self.counts.append(len(losses))
         self.log("train_loss", torch.stack(losses).mean(), on_step=False, on_epoch=True, sync_dist=True,
                  batch_size=len(losses))

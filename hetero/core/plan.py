@@ -150,6 +150,9 @@ class Plan:
     def load_state_dict(self, state: dict, identities: list[str] | None) -> None:
         """Resume: the balancer (carried over by worker identity to this world's, when known) and the position."""
         saved, ids, sched = state["balancer"], state.get("identities"), self.schedule
+        if (b := int(np.sum(saved["sizes"]))) != self.settings.global_batch:  # the sizes cut each step's window
+            raise ValueError(f"a state of the global batch {b}, but this Balance's is {self.settings.global_batch}: "
+                             f"resume with global_batch={b}")
         if ids is not None and len(ids) != len(saved["shares"]):
             raise ValueError(f"a balancer state of {len(saved['shares'])} rank(s) with {len(ids)} identities")
         src = remap_identities(ids, len(saved["shares"]), identities, self.world)

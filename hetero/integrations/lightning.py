@@ -46,7 +46,7 @@ class BalanceCallback(Callback):
 
     def __init__(self, balance: Balance):
         self.balance = balance
-        self._decided, self._ddp = 0, False  # decisions logged so far; attached to DDP
+        self._decided, self._ddp, self._steps = 0, False, 0  # decisions logged; attached to DDP; steps ended
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":  # in every launched process, before any batch: the rank and world Lightning assigned
@@ -65,6 +65,13 @@ class BalanceCallback(Callback):
         self.balance.attach(_model(trainer, pl_module))
         self._ddp = isinstance(trainer.strategy.model, torch.nn.parallel.DistributedDataParallel)
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.balance.settings.micro_batch:
+            # an epoch Lightning resumes mid-way gets no on_train_epoch_start (fit_loop.py, on_advance_start skips it
+            # when restarted mid-epoch): without its length set here Lightning ran len(loader), the micro-batches'
+            # upper bound, and called training_step once more on an exhausted dataloader_iter
+            self.on_train_epoch_start(trainer, pl_module)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.balance.set_epoch(trainer.current_epoch)  # also done by Lightning through the sampler's set_epoch
         if self.balance.settings.micro_batch:
@@ -79,8 +86,11 @@ class BalanceCallback(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
         if not self.balance.settings.micro_batch:  # with micro_batch, `with bal.step()` begins the step
             self.balance.begin_step(batch_idx, from_loader=True)  # the batch is the sampler's: checked
+        self._steps = self.balance.position.global_step  # one training_step is one step (with micro_batch: checked)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss) -> None:
+        if self.balance.settings.micro_batch and self.balance.position.global_step != self._steps:
+            _past_the_step()  # the next step's first backward, on every rank alike: before its collective
         if self.balance.settings.micro_batch and self._ddp:
             # Lightning runs training_step inside one DDP forward, which began before the step: each of the step's
             # micro-batches is counted at its backward instead (a rank running one too many stops here)
@@ -92,6 +102,8 @@ class BalanceCallback(Callback):
                 raise HeteroError(f"hetero: training_step returned after {s.expected - s.left} of this rank's "
                                   f"{s.expected} micro-batches: run them all, each in `with bal.step():`, and step "
                                   f"the optimizer where bal.sync_now (docs/lightning.md#accumulation)")
+            if self.balance.position.global_step - self._steps > 1:  # a loop that never called manual_backward
+                _past_the_step()
             decided = len(self.balance.decisions) != self._decided
         else:
             decided = self.balance.end_step() is not None
@@ -106,7 +118,16 @@ class BalanceCallback(Callback):
         return self.balance.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.balance.load_state_dict(state_dict)
+        try:  # every rank gets the same state, so every rank stops with the same line
+            self.balance.load_state_dict(state_dict)
+        except ValueError as e:
+            raise ValueError(f"hetero: the checkpoint's BalanceCallback state does not fit this Balance: {e}") from None
+
+
+def _past_the_step():
+    raise HeteroError("hetero: training_step went on past its optimizer step into the next step's micro-batches: "
+                      "one training_step is one step; break out of the dataloader_iter loop after stepping the "
+                      "optimizer where bal.sync_now (docs/lightning.md#accumulation)")
 
 
 def _model(trainer: Trainer, pl_module: LightningModule) -> torch.nn.Module:

@@ -59,6 +59,58 @@ def test_a_fit_resumed_from_a_mid_epoch_checkpoint_keeps_the_slow_ranks_share_an
     assert sizes == again[1]["first"]["sizes"] and sizes[1] < sizes[0]               # the estimate came back
 
 
+
+def _resume(tmp_path, *args: str, phases=("first", "again")) -> list[subprocess.CompletedProcess]:
+    script, out, folder = ROOT / "tests" / "scripts" / "lightning_resume.py", tmp_path / "rec", tmp_path / "ckpt"
+    return [subprocess.run([sys.executable, str(script), str(out), str(folder), ph, *a], cwd=tmp_path,
+                           env=clean_env(threads="1"), capture_output=True, text=True, timeout=600)
+            for ph, a in zip(phases, args)]
+
+
+@pytest.mark.slow  # two Lightning launches
+def test_an_accumulation_fit_resumed_mid_epoch_runs_each_remaining_step_once_and_no_empty_training_step(tmp_path):
+    """Lightning calls no on_train_epoch_start in an epoch it resumes mid-way: the callback still sets the epoch's
+    length to its steps, so the resumed epoch runs its 5 remaining steps, one training_step each, and not a sixth on
+    an exhausted dataloader_iter (which the example's loss logging failed on); every sample of epoch 1 once."""
+    for p in _resume(tmp_path, ["micro"], ["micro"]):
+        assert p.returncode == 0, p.stderr[-4000:]
+    first, again = ([json.loads((tmp_path / f"rec.{ph}.rank{r}.json").read_text()) for r in range(2)]
+                    for ph in ("first", "again"))
+    for r in range(2):
+        assert [e for e, _ in again[r]["counts"]] == [1] * 5, again[r]["counts"]     # steps 3..7 of epoch 1
+        assert all(n > 0 for _, n in again[r]["counts"])
+    assert [a[1] + b[1] for a, b in zip(again[0]["counts"], again[1]["counts"])] == [8] * 5  # B/m per step
+    assert again[0]["first"]["epoch"] == 1 and again[0]["first"]["batch_idx"] == 3
+    epoch1 = [i for run in (first, again) for r in run for i in r["seen"].get("1", [])]
+    assert sorted(epoch1) == list(range(256)), "epoch 1 across the resume: not every sample exactly once"
+    assert again[0]["decisions"] == again[1]["decisions"]
+    assert [(d["epoch"], d["step"]) for d in again[0]["decisions"]] == [(1, 3), (1, 5), (1, 7)]
+
+
+@pytest.mark.slow
+def test_an_accumulation_recipe_that_never_breaks_at_sync_now_is_refused_in_one_line_on_every_rank(tmp_path):
+    """A training_step that runs on past the optimizer step into the next step's micro-batches (with a replay it
+    ran the iterator into an epoch the replay does not have: KeyError, no hetero line): refused at the next step's
+    first backward, the same line on both ranks, exit status 2."""
+    (p,) = _resume(tmp_path, ["nobreak"], phases=("first",))
+    assert p.returncode == 2, p.stderr[-4000:]
+    line = ("hetero: training_step went on past its optimizer step into the next step's micro-batches: one "
+            "training_step is one step; break out of the dataloader_iter loop after stepping the optimizer where "
+            "bal.sync_now (docs/lightning.md#accumulation)")
+    assert p.stderr.count(line) == 2 and "Traceback" not in p.stderr, p.stderr[-4000:]  # both ranks (one stderr)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_global_batch_is_refused_at_load_in_one_line_on_every_rank(tmp_path):
+    """Checkpointed with global_batch 32, resumed with 64: the sampler cut 64 from sizes summing to 32 (a ValueError
+    from deep inside); now refused when Lightning hands the callback its state, on both ranks."""
+    first, again = _resume(tmp_path, ["batch", "32"], ["batch", "64"])
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert again.returncode == 2, again.stderr[-4000:]
+    line = ("hetero: the checkpoint's BalanceCallback state does not fit this Balance: a state of the global batch "
+            "32, but this Balance's is 64: resume with global_batch=32")
+    assert again.stderr.count(line) == 2 and "Traceback" not in again.stderr, again.stderr[-4000:]
+
 # -- per-rank accumulation and FSDP2: one optimizer step against one process on the union ----------------------
 def _exact_run(tmp_path, strategy: str, mode: str, broken: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(EXACT), str(tmp_path / "rec"), strategy, mode, broken], cwd=tmp_path,

@@ -86,8 +86,8 @@ def _stop(message: str):
 
 
 class Engine:
-    """One rank's steps: begin, micro, end, the running step, the checks every door shares (module docstring).
-    What integrations may call is `micro`, `running` and `count_forward` (docs/api.md, the extension surface)."""
+    """One rank's steps: begin, micro, end, the running step, the checks every door shares (engine.py's docstring).
+    Integrations may call `micro`, `running` and `count_forward` (the extension surface); the rest is the core's."""
 
     def __init__(self, plan: Plan, emulator: Emulator, hetero: str = ""):
         self.plan = plan
@@ -262,8 +262,8 @@ class Engine:
             required: raise between steps instead of returning None.
 
         Returns:
-            The running step (read `expected`, this rank's micro-batches in it, and `left`, those still to run), or
-            None between steps.
+            The running step, or None between steps: read its `expected` (this rank's micro-batches in the step)
+                and `left` (those still to run).
 
         Raises:
             HeteroError: between steps, where required.
@@ -272,7 +272,7 @@ class Engine:
             raise HeteroError("hetero: a backward ran outside `with bal.step()` (or begin_step/end_step)")
         return self._step
 
-    def count_forward(self, module, args) -> None:
+    def count_forward(self, module: torch.nn.Module, args: tuple) -> None:
         """Count one training forward of the running step. The attached model's forward pre-hook calls it; a host
         whose framework runs all the step's micro-batches inside one forward calls it at each backward instead
         (Lightning's callback under DDP). Nothing is counted between steps, in eval mode or without grad.

@@ -10,10 +10,10 @@ there is no GPU; `--cpu` would start one process.)
 
 What hetero needs from Accelerate: hetero.integrations.accelerate.prepare(accelerator, bal, model, opt, sched)
 instead of accelerator.prepare (the model becomes DDP and bal.attach installs the weighting hook on it; the LR
-scheduler steps once per optimizer step, where accelerate's would step once per process: hetero's len(loader) is
-already the steps per epoch), and hetero's loader left out of prepare: prepare would wrap its batch sampler in a
-BatchSamplerShard, giving each rank every world-th of its own batches. The batches are moved to
-accelerator.device by hand instead. The loss is each rank's own mean: hetero weights it by b_i/B.
+scheduler steps once per optimizer step, where accelerate's would step once per process: the schedule is sized by
+bal.position.steps_per_epoch, the steps of the global batch), and hetero's loader left out of prepare: prepare
+would wrap its batch sampler in a BatchSamplerShard, giving each rank every world-th of its own batches. The
+batches are moved to accelerator.device by hand instead. The loss is each rank's own mean: hetero weights it by b_i/B.
 """
 import argparse
 import json
@@ -51,8 +51,8 @@ def main(args) -> int:
     model = tiny_gpt2(len(ds.vocab), args.length, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))  # not prepared: hetero's slices stay whole
-    # upstream's sizing (accelerate's nlp_example.py); len(loader) is already the steps per epoch
-    sched = get_linear_schedule_with_warmup(opt, 0, len(loader) * args.epochs)
+    # upstream's sizing (accelerate's nlp_example.py) by the steps: len(loader) is them only without micro_batch
+    sched = get_linear_schedule_with_warmup(opt, 0, bal.position.steps_per_epoch * args.epochs)
     # accelerator.prepare, bal.attach on the DDP model (weight b_i/B, step clock, emulated delay), one LR step per step
     model, opt, sched = prepare(accelerator, bal, model, opt, sched)
     seen, losses, lrs = {}, [], []

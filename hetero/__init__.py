@@ -1,11 +1,11 @@
 """hetero: heterogeneity-aware synchronous data-parallel training (Sync-SGD, DP-SGD, EDP-SGD and beyond).
 
-Four layers, each importing only the ones before it:
+Four layers (tests/unit/test_layers.py holds the import rules; the module map is docs/api.md#modules):
 - hetero.core: the library (Balance, its sampler, comm hook, balancers and partition maths); torch and numpy only.
-- hetero.integrations: the core inside other engines' loops (Lightning, the Hugging Face Trainer, Accelerate, Ray),
-  optional extras.
-- hetero.trainer: the built-in CIFAR-10 trainer (`python -m hetero.trainer`), one user of the core.
-- hetero.lab: grids, reports, the simulator and the benchmarks, on top of both.
+- hetero.integrations: the core inside other engines' loops (Lightning, Hugging Face, Accelerate, Ray); the
+  core only.
+- hetero.trainer: the built-in CIFAR-10 trainer (`python -m hetero.trainer`), one user of the core; the core only.
+- hetero.lab: grids, reports, the simulator and the benchmarks, on top of the other three.
 """
 from .core import __version__  # noqa: F401 - re-exported (__all__)
 

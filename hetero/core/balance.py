@@ -210,28 +210,48 @@ class Balance:
         return self.engine.micro(batch_size)
 
     def begin_step(self, step: int | None = None, *, from_loader: bool = False) -> np.ndarray:
-        """Start a step by hand (a loop counting its own micro-batches, or an integration); `with bal.step():`
-        calls it. Returns every rank's batch sizes for the step, in samples (k_i = sizes[rank] // m).
+        """Start a step by hand (a loop counting its own micro-batches, or a host's loop); `with bal.step():` does
+        it at a step's first batch.
 
         Args:
-            step: optional, checked against `bal.position.step`.
+            step: optional, checked against `bal.position.step` (the steps ended in the epoch).
             from_loader: the batch came from a framework's loader: hetero's sampler must have handed it out.
+
+        Returns:
+            Every rank's batch size for the step, in samples (this rank's k_i = sizes[rank] // m micro-batches).
+
+        Raises:
+            HeteroError: a step not ended, `step` out of order or past the epoch, a batch not from the sampler.
         """
         return self.engine.begin(step, from_loader=from_loader)
 
     def end_step(self) -> Decision | None:
-        """End a step begun by hand, after the optimizer step. Every K steps and at the epoch's end it decides
-        (collective); returns the decision, if one was made."""
+        """End the step, after the optimizer step. Every K steps and at the epoch's end it decides (collective).
+
+        Returns:
+            The decision, if one was made (else None).
+
+        Raises:
+            HeteroError: no step running, or a rank that ran other than its micro-batches and one all-reduce.
+        """
         return self.engine.end()
 
     def set_weight(self, weight: float) -> None:
-        """Replace the running step's gradient weight (b_i/B, m/B or 1/world) before its backward: 1/world for a
-        loss already normalised over every rank, or this rank's share of the step's valid tokens (sum 1 over ranks).
+        """Replace the running step's gradient weight (b_i/B, m/B or 1/world) before its backward.
+
+        Args:
+            weight: 1/world for a loss normalised over every rank, or this rank's share of the step's valid tokens.
+
+        Raises:
+            HeteroError: no step running (call it inside `with bal.step():` or after begin_step).
         """
         self.engine.running().weight = float(weight)
 
     def mark_backward(self) -> None:
-        """Optional, right after loss.backward(): the all-reduce's wait ends there (what follows counts as compute)."""
+        """Optional, right after loss.backward(): the all-reduce's wait ends there (what follows counts as compute).
+
+        Raises:
+            HeteroError: no step running."""
         self.engine.running().clock.mark("returned")
 
     @property

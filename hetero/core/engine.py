@@ -1,21 +1,19 @@
-"""The step engine: one rank's step protocol beneath the Balance, and the extension surface of integrations.
+"""The step engine: one rank's step protocol beneath the Balance, and the integrations' extension surface.
 
     sizes = engine.begin()        # a step: every rank's sizes, this rank's weight, a fresh clock
     with engine.micro(m):         # each micro-batch (or the step's one batch): no_sync / FSDP2's schedule, checks
         ...forward and backward...    # the DDP hook / FSDP2 reduce-scatter call running() and gradients_ready()
     engine.end()                  # the checks, the position, and every K steps a decision (collective)
 
-It holds one step's state (the running Step: weight, micro-batch count, forwards, syncs, clock marks, the emulated
-delay); what it shares with the parts installed on the model (the comm hook, FSDP2's comms, the optimizer guard)
-is its `link` (link.py). Those parts hold the engine; the engine calls down into the plan only. Every door (`with
-bal.step()`, begin/end, the Lightning and Hugging Face callbacks, FSDP2) runs through `begin`, `micro` and `end`, so
-each rule is checked once, here:
-- a step's sizes were handed out by hetero's sampler (or sizes_at) in a loop with epochs: a plain DataLoader is
-  refused before its first step;
-- a rank runs exactly its k_i micro-batches (forwards) and one gradient all-reduce per step. A rank that runs too
-  many stops at the extra forward, one that syncs early stops in the hook before its last bucket is reduced; it
-  posts its line (agree.post), and its peers, whose collective then fails, raise that line at their optimizer
-  step or end(): no rank steps on a wrong gradient, every rank says why.
+It holds the running Step (weight, micro-batch count, forwards, syncs, clock, emulated delay) and shares its `link`
+(link.py) with the parts installed on the model (the comm hook, FSDP2's comms, the optimizer guard), which hold the
+engine; it calls down into the plan only. Every door runs through `begin`, `micro` and `end`, so each rule is
+checked once, here:
+- with epochs, a step's sizes were handed out by hetero's sampler: a plain DataLoader is refused at its first step;
+- a rank runs exactly its k_i forwards and one gradient all-reduce per step. One too many stops at the extra
+  forward, an early sync in the hook before its last bucket is reduced; the rank posts its line (agree.post) and
+  its peers, whose collective then fails, raise it at their optimizer step or end(): no rank steps on a wrong
+  gradient, every rank says why.
 """
 from __future__ import annotations
 
@@ -88,10 +86,8 @@ def _stop(message: str):
 
 
 class Engine:
-    """One rank's steps: begin, micro, end, the running step, the checks every door shares (module docstring).
-
-    What integrations may call is `micro`, `running` and `count_forward` (docs/api.md, the extension surface); the
-    Balance's verbs cover the rest."""
+    """One rank's steps: begin, micro, end, the running step, the checks every door shares (engine.py's docstring).
+    Integrations may call `micro`, `running` and `count_forward` (the extension surface); the rest is the core's."""
 
     def __init__(self, plan: Plan, emulator: Emulator, hetero: str = ""):
         self.plan = plan
@@ -210,15 +206,22 @@ class Engine:
 
     @contextmanager
     def micro(self, batch_size: int | None = None, ends_step: bool = True) -> Iterator[None]:
-        """One micro-batch (or the step's one batch), the one door every loop's batches run through: `with
-        bal.step():` (Balance.step has the contract), Lightning's per-rank recipe and the HF Trainer's loop. It
-        begins the step at its first batch (from a loader) unless the host began it, keeps all but the step's last
-        micro-batch local (DDP's no_sync, or FSDP2's schedule), and checks each batch against the schedule.
+        """One micro-batch (or the step's one batch): the one door every loop's batches run through (`with
+        bal.step():`, Lightning's per-rank recipe, the HF Trainer's loop). It begins the step at its first batch
+        unless the host began it (`bal.begin_step`), keeps all but the step's last micro-batch local (DDP's no_sync
+        or FSDP2's schedule) and checks each batch against the schedule.
 
         Args:
             batch_size: optional, checked against the schedule (m, or this rank's size without micro-batches).
-            ends_step: end the step after its last micro-batch (False: the host ends it after its optimizer step,
-                e.g. the HF Trainer's callback).
+            ends_step: end the step after its last micro-batch (False: the host calls `bal.end_step()` after its
+                optimizer step, as the HF Trainer's callback does).
+
+        Returns:
+            A context manager around the micro-batch's forward and backward.
+
+        Raises:
+            HeteroError: micro_batch before attach, a batch of another size than the schedule's, a micro-batch
+                beyond this rank's count, a peer's refusal (the backward's collective failed); `begin_step`'s.
         """
         link, m = self.link, self.plan.settings.micro_batch
         if m and link.model is None:  # on every rank alike, whatever its count
@@ -253,13 +256,34 @@ class Engine:
             self.end()
 
     def running(self, required: bool = True) -> Step | None:
-        """The running step; between steps None, or a one-line error where one is required."""
+        """The step running now, for a host that checks where its step is (Lightning's callback at a batch's end).
+
+        Args:
+            required: raise between steps instead of returning None.
+
+        Returns:
+            The running step, or None between steps: read its `expected` (this rank's micro-batches in the step)
+                and `left` (those still to run).
+
+        Raises:
+            HeteroError: between steps, where required.
+        """
         if self._step is None and required:
             raise HeteroError("hetero: a backward ran outside `with bal.step()` (or begin_step/end_step)")
         return self._step
 
-    def count_forward(self, module, args) -> None:
-        """The attached model's forward pre-hook: a training forward beyond this rank's count stops here."""
+    def count_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        """Count one training forward of the running step. The attached model's forward pre-hook calls it; a host
+        whose framework runs all the step's micro-batches inside one forward calls it at each backward instead
+        (Lightning's callback under DDP). Nothing is counted between steps, in eval mode or without grad.
+
+        Args:
+            module: the model the forward runs on (its `training` flag says whether the forward counts).
+            args: the forward's positional arguments (unread: a forward pre-hook's signature).
+
+        Raises:
+            HeteroError: a forward beyond this rank's count in the step (posted to the other ranks first).
+        """
         s = self._step
         if s is None or not (module.training and torch.is_grad_enabled()):
             return

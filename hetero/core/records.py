@@ -42,11 +42,20 @@ class Position:
     """Where training is (`bal.position`), the same on every rank: `step` steps of `epoch` have ended.
 
     A host reads it instead of counting: the epoch to run next is `epoch + 1` once `epoch_complete`, else `epoch`
-    (a fresh Balance and an epoch resumed mid-way both run `epoch`), and the next step is `step`."""
+    (a fresh Balance and an epoch resumed mid-way both run `epoch`), and the next step is `step`.
+
+    Attributes:
+        epoch: the epoch last begun (0 before the first).
+        step: steps of `epoch` that have ended (0 <= step <= steps_per_epoch).
+        steps_per_epoch: the epoch's steps, floor(n_samples / global_batch), known from `bal.batch_sampler(len(ds))`
+            on: what a learning-rate schedule is sized by (the loader's length is not it with micro_batch); 0 in a
+            loop without epochs.
+        global_step: steps ended over every epoch (a resumed Balance counts on from its state).
+    """
     epoch: int
-    step: int             # steps ended in `epoch` (0 <= step <= steps_per_epoch)
-    steps_per_epoch: int  # the epoch's steps, what a learning-rate schedule is sized by (0: a loop without epochs)
-    global_step: int      # steps ended over every epoch (a resumed Balance counts on from its state)
+    step: int
+    steps_per_epoch: int
+    global_step: int
 
     @property
     def epoch_complete(self) -> bool:

@@ -1,7 +1,7 @@
 """A Balance's settings: one frozen record, checked once when it is built (the rules are in rules.py).
 
-Every rank must hold the same settings; `fingerprint` adds what the run has learnt since (the epoch length, the
-emulation, a replay, the resolved per-rank limits) and is what the ranks compare (agree.agree).
+Every rank must hold the same settings; the step engine's fingerprint (engine.py) adds what the run has learnt since
+(the epoch length, the emulation, a replay, the resolved per-rank limits) and is what the ranks compare (agree.agree).
 """
 from __future__ import annotations
 
@@ -71,5 +71,5 @@ class Settings:
     def shared(self) -> dict:
         """The settings every rank must share, as plain data (the worker's own identity is not one)."""
         d = asdict(self)
-        del d["worker_id"], d["max_batch"]  # max_batch is compared resolved (Plan.fingerprint)
+        del d["worker_id"], d["max_batch"]  # compared resolved, in the engine's fingerprint
         return d

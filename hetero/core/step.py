@@ -11,8 +11,9 @@ from .clock import StepClock
 
 
 class Step:
-    """Made by Balance.begin_step; the comm hook and the FSDP2 reduce-scatter read `weight` and `clock` and report
-    through `bucket_sent` / `bucket_back`; the Balance counts the micro-batches, syncs and forwards."""
+    """Made by the step engine's `begin` (engine.py; `bal.begin_step` and `with bal.step()` call it), which counts
+    the micro-batches, syncs and forwards; the comm hook and FSDP2's reduce-scatter read `weight` and `clock` and
+    report through `bucket_sent` / `bucket_back`, and the optimizer guard reads `expected` and `left`."""
 
     def __init__(self, epoch: int, index: int, sizes: np.ndarray, rank: int, weight: float, micro_batches: int,
                  device: torch.device):

@@ -2,13 +2,14 @@
 with the Balance attached and the scheduler stepped once per optimizer step.
 
     model, opt, sched = hetero.integrations.accelerate.prepare(accelerator, bal, model, opt, sched)
-    loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))   # not prepared; len(loader) = steps per epoch
+    loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))   # not prepared
 
 Why the scheduler: accelerate's prepared scheduler (AcceleratedScheduler) steps the wrapped scheduler
 num_processes times per optimizer step, because accelerate expects a schedule sized by the unsharded loader, whose
-length is world times the steps per epoch. hetero's loader is never sharded: its length is already the steps per
-epoch of the global batch. A schedule sized `len(loader) * epochs`, as upstream's examples write it, would reach its
-end after 1/world of training (LR 0 at the end of epoch 1 of 2 on two ranks). `prepare` sets the prepared
+length is world times the steps per epoch. hetero's loader is never sharded: a schedule sized by its steps per epoch
+(`bal.position.steps_per_epoch`; `len(loader)` equals it only without micro_batch, and with it is an upper bound on
+a rank's micro-batches) times the epochs would reach its end after 1/world of training (LR 0 at the end of epoch 1
+of 2 on two ranks). `prepare` sets the prepared
 scheduler's `split_batches`, accelerate's own switch for "one scheduler step per optimizer step", and keeps
 everything else of AcceleratedScheduler (no step when the optimizer step was skipped).
 

@@ -1,5 +1,5 @@
-"""The package's three layers, from its import graph: the core imports nothing from the integrations, the trainer or
-the lab; the integrations only the core; the trainer nothing from the lab. And the core alone loads none of the
+"""The package's four layers, from its import graph: the core imports nothing from the integrations, the trainer or
+the lab; the integrations and the trainer only the core. And the core alone loads none of the
 lab's or the trainer's libraries.
 Here the cases that launch processes; those in one process: tests/unit/test_layers.py."""
 from __future__ import annotations

@@ -97,3 +97,32 @@ def test_the_api_page_shows_the_balances_arguments_as_a_table_with_their_meaning
                           ("micro_batch", "each rank runs its own count"), ("worker_id", "identity")]:
         assert name in cells and meaning in cells, (name, cells[:400])
     assert 'id="hetero.core.engine.Engine"' in api  # the extension surface, apart from the user's verbs
+
+
+def test_the_api_page_lists_the_extension_surface_apart_with_its_args_returns_and_raises(site):
+    """Issue 46: the extension surface is a short, named list (the front's host verbs and three engine verbs), each
+    entry with its sections; the engine renders those three and none of its own insides."""
+    api = (site / "api" / "index.html").read_text()
+    surface = api[api.index('id="the-extension-surface"'):api.index('id="migrating"')]
+    engine = surface[surface.index('id="hetero.core.engine.Engine"'):]
+    shown = set(re.findall(r'id="hetero\.core\.engine\.Engine\.(\w+)"', engine))
+    assert shown == {"micro", "running", "count_forward"}, shown
+
+    def section(name: str) -> str:  # one entry's rendered text, to the next entry's heading
+        start = surface.index(f'id="{name}"')
+        end = re.compile(r'<h[1-6] id="').search(surface, start + 1)
+        return re.sub(r"<[^>]+>", " ", surface[start:end.start() if end else None])
+    front = "hetero.core.balance.Balance."
+    for name, parts in [(front + "begin_step", ("Parameters:", "Returns:", "Raises:")),
+                        (front + "end_step", ("Returns:", "Raises:")),
+                        (front + "set_weight", ("Parameters:", "Raises:")),
+                        (front + "mark_backward", ("Raises:",)),
+                        (front + "position", ()), (front + "workers", ()),
+                        ("hetero.core.records.Position", ("steps_per_epoch",)),
+                        ("hetero.core.engine.Engine.micro", ("Parameters:", "Returns:", "Raises:")),
+                        ("hetero.core.engine.Engine.running", ("Parameters:", "Returns:", "Raises:")),
+                        ("hetero.core.engine.Engine.count_forward", ("Parameters:", "Raises:"))]:
+        text = section(name)
+        assert all(p in text for p in parts), (name, parts, text[:300])
+    user = api[api.index('id="the-users-verbs"'):api.index('id="the-extension-surface"')]
+    assert f'id="{front}begin_step"' not in user and f'id="{front}step"' in user  # each entry rendered once

@@ -1,5 +1,5 @@
-"""The package's three layers, from its import graph: the core imports nothing from the integrations, the trainer or
-the lab; the integrations only the core; the trainer nothing from the lab. And the core alone loads none of the
+"""The package's four layers, from its import graph: the core imports nothing from the integrations, the trainer or
+the lab; the integrations and the trainer only the core. And the core alone loads none of the
 lab's or the trainer's libraries.
 Here the cases in one process; those that launch processes: tests/integration/test_layers_launch.py."""
 from __future__ import annotations
@@ -128,15 +128,16 @@ def test_the_core_import_graph_has_no_cycle():
 
 def test_the_front_stays_thin():
     """Issue 33: the Balance class holds the user's verbs and delegates, the parts beneath it doing the work. Issue
-    46 put the hosts' verbs on it (position, workers, world, set_weight, mark_backward; size and global_step went):
-    under 280 lines (docstrings included) and at most 26 public names."""
+    46 put the hosts' verbs on it (position, workers, world, set_weight, mark_backward; size and global_step went),
+    each with its Args / Returns / Raises for the API page: under 295 lines (docstrings included) and at most 26
+    public names."""
     import inspect
 
     from hetero import Balance
 
     lines, _ = inspect.getsourcelines(Balance)
     public = [n for n in vars(Balance) if not n.startswith("_")]
-    assert len(lines) < 280, len(lines)
+    assert len(lines) < 295, len(lines)
     assert len(public) <= 26, public
 
 

@@ -86,11 +86,10 @@ def _window_sizes(bal, row) -> torch.Tensor:
     return torch.tensor(np.stack([r.sizes for r in bal.epoch_records()[-n:]]), dtype=torch.float64)
 
 
-def test_state_dict_loads_with_weights_only(monkeypatch):
-    bal = _balance(monkeypatch, 0, global_batch=32, scheme="dp")
-    sampler = bal.batch_sampler(64)
-
-    def fake_gather(row, device):  # rank 1 3x slower per sample
+def _two_epochs_of_a_3x_slower_rank_1(monkeypatch, bal, sampler) -> None:
+    """One process plays rank 0 of two through two epochs; the gather is faked with injected compute times: 1 ms per
+    sample on rank 0, 3 ms on rank 1 (the tail as this rank measured it: no quota, the pace, the sampler's position)."""
+    def fake_gather(row, device):
         sizes, tail = _window_sizes(bal, row), row[-4:]
         t0, t1 = 1e-3 * sizes[:, 0], 3e-3 * sizes[:, 1]
         return torch.stack([torch.cat([t0, t0, tail]), torch.cat([t1, t1, tail])])
@@ -100,6 +99,11 @@ def test_state_dict_loads_with_weights_only(monkeypatch):
         for batch in sampler:
             with bal.step(batch_size=len(batch)):
                 pass
+
+
+def test_state_dict_loads_with_weights_only(monkeypatch):
+    bal = _balance(monkeypatch, 0, global_batch=32, scheme="dp")
+    _two_epochs_of_a_3x_slower_rank_1(monkeypatch, bal, bal.batch_sampler(64))
     buf = io.BytesIO()
     torch.save(bal.state_dict(), buf)
     buf.seek(0)
@@ -115,19 +119,7 @@ def test_state_dict_loads_with_weights_only(monkeypatch):
 def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     """One process plays rank 0 of two; the gather is faked with injected times (rank 1 3x slower per sample)."""
     bal = _balance(monkeypatch, 0, global_batch=32, scheme=scheme, rebalance_every=3, smoothing=0.2)
-    sampler = bal.batch_sampler(320)
-
-    def fake_gather(row, device):  # injected compute times: 1 ms per sample on rank 0, 3 ms on rank 1
-        sizes = _window_sizes(bal, row)
-        tail = row[-4:]  # no quota, the pace, the sampler's position: as this rank measured them
-        return torch.stack([torch.cat([1e-3 * sizes[:, 0], 1e-3 * sizes[:, 0], tail]),
-                            torch.cat([3e-3 * sizes[:, 1], 3e-3 * sizes[:, 1], tail])])
-    monkeypatch.setattr(hetero.core.plan, "gather_rows", fake_gather)
-    for epoch in range(2):
-        bal.set_epoch(epoch)
-        for batch in sampler:
-            with bal.step(batch_size=len(batch)):
-                pass
+    _two_epochs_of_a_3x_slower_rank_1(monkeypatch, bal, bal.batch_sampler(320))
     if scheme == "sync":
         assert bal.decisions == [] and bal.last_sizes == [16, 16]
         return

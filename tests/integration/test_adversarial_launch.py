@@ -92,8 +92,8 @@ CHECKPOINTS = [
     ("numpy rng", _set("rng", "numpy", value=["MT19937", [1, 2], 0, 0, 0.0])),
     ("balancer", _set("balance", "balancer", "shares", value=[0.2, 0.3, 0.5])),
     ("balancer sizes", _set("balance", "balancer", "sizes", value=[7])),
-    ("epoch=True", _set("epoch", value=True)),
-    ("epoch=10**18", _set("epoch", value=10**18)),
+    ("epoch=True", _set("balance", "epoch", value=True)),  # the position is the Balance's (checkpoint format 3)
+    ("epoch=10**18", _set("balance", "epoch", value=10**18)),
     ("momentum", _set("optimizer", "state", 0, "momentum_buffer", value=lambda t: torch.zeros(5))),
 ]
 

@@ -153,6 +153,12 @@ class Plan:
         if (b := int(np.sum(saved["sizes"]))) != self.settings.global_batch:  # the sizes cut each step's window
             raise ValueError(f"a state of the global batch {b}, but this Balance's is {self.settings.global_batch}: "
                              f"resume with global_batch={b}")
+        m = self.settings.micro_batch
+        odd = [v for v in [saved["sizes"], *(r[1]["sizes"] for r in state.get("regimes") or [])] if m and
+               any(int(x) % m for x in v)]
+        if odd:  # its sizes would cut this run's steps into parts of micro-batches
+            raise ValueError(f"a state of batch sizes {[int(x) for x in odd[0]]}, not whole micro-batches of {m}: "
+                             f"resume with the micro_batch it was saved with")
         if ids is not None and len(ids) != len(saved["shares"]):
             raise ValueError(f"a balancer state of {len(saved['shares'])} rank(s) with {len(ids)} identities")
         src = remap_identities(ids, len(saved["shares"]), identities, self.world)

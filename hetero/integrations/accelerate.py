@@ -65,9 +65,9 @@ def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
                          f"where bal.sync_now")
     if (n := sum(isinstance(o, torch.nn.Module) for o in objects)) != 1:
         raise ValueError(f"hetero: prepare takes exactly one model ({n} given): the one whose gradient hetero weights")
-    if accelerator.distributed_type == DistributedType.NO and balance.size > 1:
+    if accelerator.distributed_type == DistributedType.NO and balance.world > 1:
         # under torchrun on CPU ranks accelerate finds no accelerator and, without cpu=True, runs no DDP at all
-        raise ValueError(f"hetero: accelerate runs no DDP on these {balance.size} ranks ({accelerator.device} "
+        raise ValueError(f"hetero: accelerate runs no DDP on these {balance.world} ranks ({accelerator.device} "
                          f"without cpu=True): build Accelerator(cpu=True) or set ACCELERATE_USE_CPU=1, so that "
                          f"prepare wraps the model in DistributedDataParallel, whose all-reduce hetero weights")
     prepared = accelerator.prepare(*objects)

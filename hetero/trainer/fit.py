@@ -134,13 +134,15 @@ def check_owner(state: dict, folder: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"cannot resume: {folder / 'epochs.csv'} is unreadable ({type(e).__name__}), and "
                           f"{path} carries no run uid to bind it to this run") from None
-    for h in state["history"]:
-        r = rows.get(h["epoch"])
-        if r is None or any(not _same(float(r[k]), float(v)) for k, v in h.items()
-                            if k in r and type(v) in (int, float)):
-            raise ConfigError(f"cannot resume: {path} does not belong to this folder's run: its epoch {h['epoch']} "
-                              f"is not the one in epochs.csv (another run's checkpoint?); to start afresh, "
-                              f"--overwrite")
+    try:  # checked before check_checkpoint: the history may be anything
+        mismatch = next((h["epoch"] for h in state["history"] if (r := rows.get(h["epoch"])) is None or any(
+            not _same(float(r[k]), float(v)) for k, v in h.items() if k in r and type(v) in (int, float))), None)
+    except (TypeError, KeyError, AttributeError, ValueError):
+        raise ConfigError(f"cannot resume: {path} carries no run uid, and its history is not a list of epochs to "
+                          f"bind it to this folder's run by; to start afresh, --overwrite") from None
+    if mismatch is not None:
+        raise ConfigError(f"cannot resume: {path} does not belong to this folder's run: its epoch {mismatch} is not "
+                          f"the one in epochs.csv (another run's checkpoint?); to start afresh, --overwrite")
     return (f"hetero: warning: {path} was written by an older hetero (no run uid): bound to this run by its "
             f"{len(state['history'])} epoch(s) of history matching epochs.csv")
 

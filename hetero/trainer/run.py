@@ -136,9 +136,10 @@ def prepare(argv: list[str] | None, rank: int, local_rank: int, world_size: int)
         raise ConfigError(f"global batch {cfg.global_batch} exceeds the {len(data.train_y)} training samples")
     steps = len(data.train_y) // cfg.global_batch
     if saved is not None:
-        check_checkpoint(cfg, world_size, len(data.classes), steps, saved, run_dir / runfolder.CHECKPOINT)
+        # whose it is comes first: another run's checkpoint is refused as that, whatever else does not fit
         if warning := check_owner(saved, run_dir):  # this folder's run's, not one copied in from another
             print(warning, file=sys.stderr, flush=True)
+        check_checkpoint(cfg, world_size, len(data.classes), steps, saved, run_dir / runfolder.CHECKPOINT)
     replay = load_replay(Path(cfg.replay), cfg, world_size) if cfg.replay else None
     missing = [e for e in range(1, cfg.epochs + 1) if replay is not None and len(replay.get(e, [])) != steps]
     if missing:

@@ -137,7 +137,7 @@ def _worker(rank: int, out: str) -> None:
     for key, case, data, m, g, sizes, said in _runs():
         model, fields, func, _ = KINDS[case]
         bal = hetero.Balance(global_batch=2 * m * g, micro_batch=m, seed=SEED)
-        bal.replay({0: [sizes]})
+        bal.replay({0: [sizes] * (N // (2 * m * g))})  # a record covers the epoch; the run stops after one
         trainer = HeteroTrainer(model=MODELS[model](), args=_args(f"{out}/{key}", m, g),
                                 train_dataset=DATA[data](fields), compute_loss_func=func, balance=bal, loss_mean=said)
         try:

@@ -1,0 +1,465 @@
+"""The step engine in one process (issue 47): every refusal of hetero/core/engine.py and the optimizer guard, at every
+door that can make the mistake, for rank r of a world of w, with no process group and no launch.
+
+The rig stands in for what attach installs on a DDP model, and drives the same engine calls DDP would:
+- the model has DDP's `no_sync()`; its forward pre-hook is `engine.count_forward`, as attach registers it;
+- a gradient hook on its parameter calls `engine.gradients_ready()` at a backward outside no_sync, where DDP's comm
+  hook (hook.py) calls it at the step's last bucket;
+- the optimizer guard is the real one (guard.py), on a real SGD;
+- the gathers at a decision and at an epoch's end (agree.gather_rows) are faked: every rank's row is this one's.
+Doors: `with bal.step()` (the loader's batches), begin_step/end_step by hand, the Hugging Face Trainer's loop
+(engine.micro(ends_step=False), then end_step after the optimizer step), Lightning's per-rank recipe under DDP
+(micro-batches counted at their backward, engine.count_forward, and the step checked at the batch's end) and FSDP2
+(its schedule stands in for no_sync). A case is (door, mistake) -> the line's words; `test_every_refusal_is_in_the
+_table` reads the engine's and the guard's sources, so a new refusal without a case here fails, and a refusal
+removed fails its case.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hetero
+import hetero.core.agree
+import hetero.core.engine
+import hetero.core.plan
+from hetero.core.agree import HeteroError
+from hetero.core.guard import OptimizerGuard
+
+N, B, M = 32, 8, 2  # samples, global batch, micro-batch: 4 steps an epoch
+
+
+class Net(torch.nn.Module):
+    """What the engine uses of a DDP model: parameters, forward, no_sync()."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(4, 1)
+        self.synced = True
+
+    def forward(self, x):
+        return self.lin(x)
+
+    @contextmanager
+    def no_sync(self):
+        self.synced = False
+        try:
+            yield
+        finally:
+            self.synced = True
+
+
+class FakeFSDP:
+    """FSDP2's schedule as the engine drives it (fsdp.py's FSDPSchedule.begin): records the micro-batches."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin(self, first: bool, sync: bool) -> None:
+        self.calls.append((first, sync))
+
+
+class Rig:
+    """Rank `rank` of `world`: a Balance, its engine attached to a Net as attach would, an SGD with the guard."""
+
+    def __init__(self, monkeypatch, rank: int = 0, world: int = 2, attach: bool = True, fsdp: bool = False,
+                 sampler: bool = True, ran: list[float] | None = None, **kw):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        kw = {"global_batch": B, "scheme": "dp", **kw}
+        self.bal = hetero.Balance(**kw)
+        self.sampler = self.bal.batch_sampler(N) if sampler else None
+        self.engine = e = self.bal.engine
+        self.model = Net()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.world, self._it = world, None
+
+        def gather(row, device):  # every rank measured what this one did; the steps ran: `ran` if given
+            if ran is not None and row.numel() == 1:
+                return torch.tensor(ran, dtype=row.dtype)[:, None]
+            return row[None].repeat(world, 1)
+        monkeypatch.setattr(hetero.core.plan, "gather_rows", gather)
+        monkeypatch.setattr(hetero.core.agree, "gather_rows", gather)
+        if attach:
+            link = e.link
+            link.model, link.device, link.coll = self.model, torch.device("cpu"), torch.device("cpu")
+            link.fsdp = FakeFSDP() if fsdp else None
+            self.model.register_forward_pre_hook(e.count_forward)
+            self.model.lin.weight.register_post_accumulate_grad_hook(self._ready)
+            self.guard = OptimizerGuard(e, self.model)
+
+    def _ready(self, param) -> None:  # DDP's comm hook at the last bucket; FSDP2 reduce-scatters every backward
+        fsdp = self.engine.link.fsdp
+        if (fsdp.calls[-1][1] if fsdp is not None else self.model.synced):  # FSDP2: the synced micro-batch's
+            s = self.engine.gradients_ready()
+            s.bucket_sent(last=True)  # the bucket's all-reduce, sent and back (a world of stand-ins)
+            s.bucket_back()
+
+    def backward(self, n: int = M) -> None:
+        self.model(torch.ones(n, 4)).sum().backward()
+
+    def next_batch(self) -> list[int]:
+        """The loader's next batch (epoch 0's, its iterator kept across the doors' steps)."""
+        if self._it is None:
+            self.bal.set_epoch(0)
+            self._it = iter(self.sampler)
+        return next(self._it)
+
+    def opt_step(self) -> None:
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+# -- the doors, each running one step of this rank's k micro-batches; `k` overrides the count ---------------------
+def door_step(r: Rig, k: int | None = None, size: int | None = None) -> None:
+    """`with bal.step():` over the loader's batches (the engine keeps all but the step's last under no_sync)."""
+    for _ in range(r.bal.micro_batches if k is None else k):
+        batch = r.next_batch()
+        with r.bal.step(batch_size=size):
+            r.backward(len(batch))
+        if r.bal.sync_now:
+            r.opt_step()
+
+
+def door_begin_end(r: Rig, k: int | None = None, sync_at: int | None = None) -> None:
+    """begin_step, k micro-batches, all but the last under the model's no_sync, the optimizer step, end_step."""
+    r.bal.set_epoch(0)
+    sizes = r.bal.begin_step()
+    m = r.bal.settings.micro_batch or int(sizes[r.bal.rank])
+    k = r.bal.micro_batches if k is None else k
+    last = k - 1 if sync_at is None else sync_at
+    for j in range(k):
+        with nullcontext() if j == last else r.model.no_sync():
+            r.backward(m)
+    r.opt_step()
+    r.bal.end_step()
+
+
+def door_hf(r: Rig, k: int | None = None) -> None:
+    """The HF Trainer's loop (hetero/integrations/hf/trainer.py): engine.micro(rows, ends_step=False) per
+    micro-batch, then the optimizer step, then the callback's end_step."""
+    for _ in range(r.bal.micro_batches if k is None else k):
+        r.next_batch()
+        with r.engine.micro(M, ends_step=False):
+            r.backward()
+    r.opt_step()
+    r.bal.end_step()
+
+
+def door_lightning(r: Rig, k: int | None = None) -> None:
+    """Lightning's per-rank recipe under DDP: training_step runs inside one DDP forward, so the callback counts each
+    micro-batch at its backward (engine.count_forward), and checks the step at the batch's end (engine.running)."""
+    for _ in range(r.bal.micro_batches if k is None else k):
+        r.next_batch()
+        with r.bal.step():
+            with torch.no_grad():
+                r.model(torch.ones(1, 4))   # a forward without grad is not counted
+            r.engine.count_forward(r.model, ())
+            (r.model.lin.weight.sum() * M).backward()  # the micro-batch's loss, outside the counted forward
+        if r.bal.sync_now:
+            r.opt_step()
+    if (s := r.engine.running(required=False)) is not None:
+        raise HeteroError(f"lightning's batch end: {s.expected - s.left} of {s.expected}")
+
+
+def door_fsdp(r: Rig, k: int | None = None) -> None:
+    """FSDP2: `with bal.step():` over the loader's batches; its schedule, not no_sync, keeps a micro-batch local."""
+    door_step(r, k)
+
+
+DOORS = {"step": door_step, "begin_end": door_begin_end, "hf": door_hf, "lightning": door_lightning}
+
+
+def _raises(fn, words: str) -> str:
+    with pytest.raises((HeteroError, ValueError)) as e:
+        fn()
+    line = str(e.value)
+    assert words in line and "\n" not in line, line
+    return line
+
+
+# -- the table: (case, door) -> the setting, the mistake, the line's words -------------------------------------------
+def m_more(r: Rig, door) -> None:
+    """One micro-batch beyond this rank's count."""
+    door(r, k=r.bal.micro_batches + 1)
+
+
+def m_fewer(r: Rig, door) -> None:
+    """One micro-batch short of this rank's count, then the optimizer step and the step's end."""
+    door(r, k=r.bal.micro_batches - 1)
+
+
+CASES = [
+    # a rank running more micro-batches than its count: where each door sees it first
+    ("begin_end", {"micro_batch": M}, m_more, "forwards in step 0 of epoch 0, where its count is"),
+    ("hf", {"micro_batch": M}, m_more, "ran a micro-batch beyond its"),
+    # fewer: the optimizer steps on gradients that were never all-reduced (the guard), or the step's end refuses
+    ("begin_end", {"micro_batch": M}, m_fewer, "all-reduced its gradients after"),
+    ("hf", {"micro_batch": M}, m_fewer, "stepped its optimizer after"),
+    ("lightning", {"micro_batch": M}, m_fewer, "lightning's batch end"),
+]
+
+
+def _sync_early(r: Rig, door) -> None:  # begin/end: the first of two micro-batches all-reduces
+    door_begin_end(r, sync_at=0)
+
+
+def _never_synced(r: Rig, door) -> None:  # the step's only backward under no_sync, ended without an optimizer step
+    r.bal.set_epoch(0)
+    r.bal.begin_step()
+    for _ in range(r.bal.micro_batches):
+        with r.model.no_sync():
+            r.backward()
+    r.bal.end_step()
+
+
+def _two_steps_one_opt(r: Rig, door) -> None:  # two steps of the schedule's micro-batches before one optimizer step
+    r.bal.set_epoch(0)
+    for _ in range(2):
+        r.bal.begin_step()
+        for j in range(r.bal.micro_batches):
+            with nullcontext() if j == r.bal.micro_batches - 1 else r.model.no_sync():
+                r.backward()
+        r.bal.end_step()
+    r.opt_step()
+
+
+def _twice(r: Rig, door) -> None:
+    r.bal.set_epoch(0)
+    r.bal.begin_step()
+    r.bal.begin_step()
+
+
+def _wrong_index(r: Rig, door) -> None:
+    r.bal.set_epoch(0)
+    r.bal.begin_step(step=2)
+
+
+def _past_epoch(r: Rig, door) -> None:
+    for _ in range(N // B + 1):
+        door_begin_end(r)
+
+
+def _plain_loader(r: Rig, door) -> None:  # batches not from the sampler: `with bal.step()` begins from the loader
+    r.bal.set_epoch(0)
+    with r.bal.step():
+        r.backward()
+
+
+def _wrong_size(r: Rig, door) -> None:
+    door_step(r, size=M + 1)
+
+
+def _no_epochs(r: Rig, door) -> None:  # no batch_sampler, a balancing rule, no rebalance_every
+    r.bal.begin_step()
+
+
+def _set_epoch_without_length(r: Rig, door) -> None:
+    r.bal.set_epoch(1)
+
+
+def _not_attached(r: Rig, door) -> None:
+    (door or door_step)(r)
+
+
+def _fsdp_by_hand(r: Rig, door) -> None:
+    r.bal.set_epoch(0)
+    r.bal.begin_step()
+
+
+def _backward_between_steps(r: Rig, door) -> None:  # the attached model's backward outside any step
+    r.bal.set_epoch(0)
+    r.backward()
+
+
+def _weight_between_steps(r: Rig, door) -> None:
+    r.bal.set_weight(0.5)
+
+
+def _peer_failed_at_end(r: Rig, door) -> None:
+    r.bal.set_epoch(0)
+    r.bal.begin_step()
+    r.backward()
+    r.engine.link.peer_failed = "hetero: rank 1 stopped: its own line"
+    r.bal.end_step()
+
+
+def _peer_failed_at_opt(r: Rig, door) -> None:
+    r.bal.set_epoch(0)
+    r.bal.begin_step()
+    r.backward()
+    r.engine.link.peer_failed = "hetero: rank 1 stopped: its own line"
+    r.opt_step()
+
+
+def _peer_failed_in_backward(r: Rig, door) -> None:  # the backward's collective fails: the peer's line is raised
+    r.next_batch()
+    with r.bal.step():
+        r.engine.link.peer_failed = "hetero: rank 1 stopped: its own line"
+        raise RuntimeError("gloo: connection closed by peer")
+
+
+def _state_of_halves(r: Rig, door) -> None:  # a saved state whose sizes are no whole micro-batches of this m
+    state = r.bal.state_dict()
+    state["balancer"]["sizes"] = [3, 5]
+    state.pop("regimes")  # else the regimes in force carry the sizes (they are checked alike)
+    r.bal.load_state_dict(state)
+
+
+def _left_early(r: Rig, door) -> None:  # rank 1 ran 2 steps of the epoch, this rank 4
+    for _ in range(N // B):
+        door_begin_end(r)
+    r.bal.set_epoch(1)
+
+
+def _emulate_far(r: Rig, door) -> None:
+    r.bal.emulate("5:delay=0.01")
+
+
+SINGLE = [  # (id, rig settings, mistake, the line's words)
+    ("sync_early", {"micro_batch": M}, _sync_early, "all-reduced its gradients after 1 of its 2 micro-batches"),
+    ("never_synced", {}, _never_synced, "gradient accumulation (no_sync) needs micro_batch"),
+    ("never_synced_micro_batches", {"micro_batch": M}, _never_synced, "micro-batches per step, the last one synced"),
+    ("two_steps_one_optimizer_step", {"micro_batch": M}, _two_steps_one_opt, "ran 2 steps of the schedule"),
+    ("begin_twice", {}, _twice, "which has not ended"),
+    ("begin_at_another_step", {}, _wrong_index, "the loop is at step 2 of epoch 0, but the Balance at step 0"),
+    ("past_the_epoch", {}, _past_epoch, "epoch 0 has run all its 4 steps"),
+    ("plain_loader", {}, _plain_loader, "was not handed out by hetero's sampler"),
+    ("batch_of_another_size", {}, _wrong_size, "got 3 samples, the schedule says 4"),
+    ("no_epochs_no_rebalance_every", {"sampler": False}, _no_epochs, "set rebalance_every > 0"),
+    ("set_epoch_without_a_length", {"sampler": False}, _set_epoch_without_length, "without an epoch length"),
+    ("micro_batch_before_attach", {"attach": False, "micro_batch": M}, _not_attached, "attach the model first"),
+    ("fsdp_micro_batches_by_hand", {"fsdp": True, "micro_batch": M}, _fsdp_by_hand, "FSDP2 with micro_batch runs"),
+    ("backward_between_steps", {}, _backward_between_steps, "a backward ran outside `with bal.step()`"),
+    ("set_weight_between_steps", {}, _weight_between_steps, "a backward ran outside `with bal.step()`"),
+    ("peer_failed_at_end", {}, _peer_failed_at_end, "rank 1 stopped: its own line"),
+    ("peer_failed_at_optimizer_step", {}, _peer_failed_at_opt, "rank 1 stopped: its own line"),
+    ("peer_failed_in_backward", {}, _peer_failed_in_backward, "rank 1 stopped: its own line"),
+    ("state_not_whole_micro_batches", {"micro_batch": M}, _state_of_halves,
+     "a state of batch sizes [3, 5], not whole micro-batches of 2: resume with the micro_batch it was saved with"),
+    ("rank_left_the_epoch_early", {"ran": [4.0, 2.0], "together": True}, _left_early,
+     "rank 1 left epoch 0 after 2 steps, rank 0 ran 4"),
+    ("emulated_rank_outside_the_world", {"attach": False}, _emulate_far, "hetero names rank 5, but the world has 2"),
+]
+
+
+def _rig(monkeypatch, kw: dict, rank: int = 0) -> Rig:
+    kw = dict(kw)
+    replay = kw.pop("replay", None)
+    if kw.pop("together", False):  # a world of peers (what a process group says): the epoch's step counts compared
+        monkeypatch.setattr(hetero.core.engine, "_together", lambda: True)
+        monkeypatch.setattr(hetero.core.engine, "same_steps", lambda *a: None)  # the store's check: no store here
+        monkeypatch.setattr(hetero.core.engine.Engine, "_agree", lambda self, where: None)
+    r = Rig(monkeypatch, rank=rank, **kw)
+    if replay is not None:
+        r.bal.replay({e: np.array(v) for e, v in replay.items()})
+    return r
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("door,kw,mistake,words", CASES, ids=[f"{c[0]}-{c[2].__name__}" for c in CASES])
+def test_every_door_refuses_a_wrong_count_in_one_line(monkeypatch, door, kw, mistake, words, rank):
+    r = _rig(monkeypatch, kw, rank)
+    _raises(lambda: mistake(r, DOORS[door]), words)
+
+
+@pytest.mark.parametrize("name,kw,mistake,words", SINGLE, ids=[c[0] for c in SINGLE])
+def test_every_mistake_is_refused_in_one_line(monkeypatch, name, kw, mistake, words):
+    r = _rig(monkeypatch, kw)
+    _raises(lambda: mistake(r, None), words)
+
+
+def test_not_attached_in_a_world_of_peers_is_refused_at_every_door(monkeypatch):
+    """Without attach the gradients are DDP's plain mean: refused at the first step, through every door."""
+    for door in (door_step, door_begin_end):
+        r = _rig(monkeypatch, {"attach": False, "together": True})
+        _raises(lambda: door(r), "call bal.attach(ddp) before the first step")
+
+
+# -- negative controls: the same doors run right are refused nowhere, and run the schedule's counts ----------------
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("door", [*DOORS, "fsdp"])
+def test_every_door_run_right_runs_the_epoch(monkeypatch, door, rank):
+    r = _rig(monkeypatch, {"micro_batch": M, "fsdp": door == "fsdp"}, rank)
+    run = door_fsdp if door == "fsdp" else DOORS[door]
+    counts = []
+    for _ in range(N // B):
+        counts.append(r.bal.micro_batches)
+        run(r)
+    assert r.bal.position.step == N // B and r.bal.position.global_step == N // B
+    assert r.engine.running(required=False) is None
+    assert counts == [int(r.bal.sizes_at(0, s)[rank]) // M for s in range(N // B)]
+    if door == "fsdp":  # the schedule's micro-batches: the first of each step, the last synced
+        fsdp = r.engine.link.fsdp.calls
+        k = counts[0]
+        assert fsdp[:k] == [(j == 0, j == k - 1) for j in range(k)]
+
+
+def test_a_step_weights_its_gradient_by_its_share(monkeypatch):
+    """b_i/B without micro-batches, m/B with them, 1/world for an unweighted scheme (the hook multiplies by it)."""
+    r = _rig(monkeypatch, {}, rank=1)
+    r.bal.set_epoch(0)
+    sizes = r.bal.begin_step()
+    assert r.engine.running().weight == sizes[1] / B
+    r = _rig(monkeypatch, {"micro_batch": M})
+    r.bal.set_epoch(0)
+    r.bal.begin_step()
+    assert r.engine.running().weight == M / B
+
+
+# -- the table covers every refusal ----------------------------------------------------------------------------------
+CORE = Path(hetero.__file__).parent / "core"
+RAISERS = {"HeteroError", "_stop", "refuse", "ValueError"}
+
+
+def _refusals(path: Path) -> list[str]:
+    """Each refusal's fixed words (an f-string's placeholders as '{}'), for every literal line raised in `path`."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in RAISERS and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                out.append(arg.value)
+            elif isinstance(arg, ast.JoinedStr):
+                out.append("".join(v.value if isinstance(v, ast.Constant) else "{}" for v in arg.values))
+    return out
+
+
+def _lines() -> list[str]:
+    """Every line the table's cases raise (rank 0's; the not-attached case at both loop doors)."""
+    lines = []
+    for kw, mistake, door in [(c[1], c[2], DOORS[c[0]]) for c in CASES] + [(c[1], c[2], None) for c in SINGLE] + \
+            [({"attach": False, "together": True}, _not_attached, d) for d in (door_step, door_begin_end)]:
+        with pytest.MonkeyPatch.context() as mp:
+            r = _rig(mp, kw)
+            try:
+                mistake(r, door)
+            except (HeteroError, ValueError) as e:
+                lines.append(str(e))
+    return lines
+
+
+# refusals no public call reaches, kept as the last check before a wrong step: the words, and where it is refused first
+BACKSTOPS = {
+    "not whole micro-batches of": "sizes come from the balancer (whole micro-batches), bal.replay and load_state_dict, "
+                                  "which refuse them (replay.py, plan.py: the state_not_whole_micro_batches case)",
+}
+
+
+def test_every_refusal_is_in_the_table():
+    """Every literal line engine.py and guard.py raise is raised by a case of the table (its placeholders filled);
+    fails on a refusal added without a case. The peer's line, raised as the peer wrote it, is the peer_failed
+    cases'. A refusal removed fails its own case above."""
+    sites = _refusals(CORE / "engine.py") + _refusals(CORE / "guard.py")
+    assert len(sites) >= 16, sites
+    lines = _lines()
+    missing = [site for site in sites if not any(b in site for b in BACKSTOPS)
+               if not any(re.fullmatch(re.escape(site).replace(r"\{\}", ".*"), line, re.S) for line in lines)]
+    assert not missing, f"no case raises: {missing}"

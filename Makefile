@@ -96,8 +96,10 @@ test: $(STAMP)  ## the test suite without the slow tier (CPU, gloo; docs/getting
 test-slow: $(STAMP)  ## only the slow tier (real CIFAR-10 images, benchmark smoke tests, ...)
 	$(BIN)/python -m pytest -q -m slow tests
 
-test-all: $(STAMP)  ## both tiers (what .ci/run runs; tests/unit one process, tests/integration launches)
-	$(BIN)/python -m pytest -q --durations=30 tests
+test-all: $(STAMP)  ## both tiers (what .ci/run runs), each test's time kept in runs/ci/ (.ci/durations.py)
+	@mkdir -p runs/ci
+	$(BIN)/python -m pytest -q --junitxml=runs/ci/junit.xml tests; rc=$$?; \
+		$(BIN)/python .ci/durations.py runs/ci/junit.xml || [ $$rc -ne 0 ] || rc=1; exit $$rc
 
 lint: $(STAMP)  ## ruff check . (rules in pyproject's [tool.ruff]; no formatter: the code is formatted by hand)
 	$(BIN)/ruff check .

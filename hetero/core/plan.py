@@ -51,6 +51,10 @@ class Plan:
         self.at = At()
         self._decisions: list[Decision] = []
         self.identities: list[str] | None = None  # every rank's worker identity (gathered at attach)
+        # a resumed plan's first step, kept out of every window: its process's warm-up (lazy initialisation, the
+        # allocator, the autograd graph's first build, a framework's restore), which a fresh run's first window
+        # shares with as many steps as the window has, but a resumed window may hold it alone (#48 item 2)
+        self._warming, self._cold = False, None
         self._new_epoch()
         self.schedule.reset(self._balancer)
 
@@ -89,13 +93,23 @@ class Plan:
             compute, wait = s.clock.read()
             self._records.append(StepRecord(self.at.epoch, s.index, s.sizes, compute, wait, s.delay_s,
                                             s.clock.cpu_s(), s.clock.started))
+            if self._warming:
+                self._cold, self._warming = self._records[-1], False
         self._unread.clear()
         return self._records
 
+    def _open(self) -> list[StepRecord]:
+        """The window: this epoch's steps since the last decision, less a resumed plan's first step."""
+        return [r for r in self.epoch_records()[self._window:] if r is not self._cold]
+
     # -- decisions (collective) -------------------------------------------------------------------------------
     def _decide(self, step: int, coll: torch.device) -> Decision:
-        """Gather every rank's compute times of the window and its sampler position, run the pure balancer."""
-        window = self.epoch_records()[self._window:]
+        """Gather every rank's compute times of the window and its sampler position, run the pure balancer. A window
+        holding only a resumed plan's first step decides nothing (on every rank alike: each resumed from the same
+        state): its observations wait for the next decision."""
+        window = self._open()
+        if not window:
+            return None
         n, sched, b = len(window), self.schedule, self._balancer
         # per rank: [compute_s x n, cpu_s x n, quota_s, period_s, mean step interval, furthest sampler position]
         own = torch.tensor([*(r.compute_s for r in window), *(r.cpu_s for r in window), *self._quota,
@@ -120,7 +134,8 @@ class Plan:
     def _interval(self, window) -> float:
         """This rank's mean time (s) from one step's start to the next's over the window (the epoch's step before
         it included); NaN with fewer than two steps."""
-        starts = [r.started_s for r in self._records[max(self._window - 1, 0):]] if window else []
+        starts = [r.started_s for r in self._records[max(self._window - 1, 0):] if r is not self._cold] if window \
+            else []
         gaps = np.diff(starts)
         return float(np.mean(gaps)) if len(gaps) else float("nan")
 
@@ -128,7 +143,7 @@ class Plan:
         """Collective: the window's steps into the balancer's observations (the next decision sees the same sums)."""
         if self.settings.rule == "static" or self.schedule.replayed is not None:
             return
-        window = self.epoch_records()[self._window:]
+        window = self._open()
         if not window:  # the same on every rank: the ranks end steps in lockstep
             return
         n = len(window)
@@ -180,6 +195,7 @@ class Plan:
         if same and state.get("regimes") and spe in (None, own):  # else: from the balancer alone
             sched.load_regimes(state["regimes"])
         self._new_epoch()
+        self._warming, self._cold = True, None  # the next step to end is this process's first (a resume's)
         # mid-epoch: the epoch goes on at `step` (set_epoch(epoch) then leaves it as it is); complete: set_epoch(epoch
         # + 1) comes next
         self.at = At(epoch, step, bool(step), global_step)

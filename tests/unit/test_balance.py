@@ -115,6 +115,53 @@ def test_state_dict_loads_with_weights_only(monkeypatch):
     assert other.sizes_at(2, 0).tolist() == [24, 8] and other.position.global_step == 4
 
 
+def _steps(monkeypatch, bal, sampler, epoch: int, stop: int | None = None, cold: float = 0.0) -> list:
+    """Rank 0 of two runs `epoch` (its first `stop` steps, or to its end); the faked gather gives 1 ms per sample on
+    rank 0 and 3 ms on rank 1, and rank 0 `cold` s more at the first step this call runs (a resumed process's
+    warm-up). The gathered row covers the window's last n records. Returns every rank's sizes at each step run."""
+    start = bal.position.step if bal.position.epoch == epoch else 0
+
+    def fake_gather(row, device):
+        n = (len(row) - 4) // 2
+        recs = bal.epoch_records()[-n:] if n else []
+        t0 = torch.tensor([1e-3 * r.sizes[0] + cold * (r.step == start) for r in recs], dtype=torch.float64)
+        t1 = torch.tensor([3e-3 * r.sizes[1] for r in recs], dtype=torch.float64)
+        return torch.stack([torch.cat([t0, t0, row[-4:]]), torch.cat([t1, t1, row[-4:]])])
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", fake_gather)
+    bal.set_epoch(epoch)
+    sizes = []
+    for i, batch in enumerate(sampler):
+        with bal.step(batch_size=len(batch)):
+            sizes.append(bal.last_sizes)
+        if stop is not None and i + 1 == stop:
+            break
+    return sizes
+
+
+@pytest.mark.parametrize("every", [0, 2])
+def test_a_resumed_runs_first_step_is_kept_out_of_its_window(monkeypatch, every):
+    """#48 item 2: a run resumed mid-epoch (rebalance_every=2, stopped after 3 steps of epoch 1) decided at its first
+    step from that step alone, its process's warm-up: rank 0 looked slowest and the shares flipped. The resumed run
+    now decides as the run that never stopped: the same sizes at every step after the resume."""
+    kw = {"global_batch": 32, "scheme": "dp", "rebalance_every": every}
+    fresh = _balance(monkeypatch, 0, **kw)
+    sampler = fresh.batch_sampler(256)
+    want = [_steps(monkeypatch, fresh, sampler, epoch) for epoch in (0, 1)][1][3:]
+    stopped = _balance(monkeypatch, 0, **kw)
+    sampler = stopped.batch_sampler(256)
+    _steps(monkeypatch, stopped, sampler, 0)
+    _steps(monkeypatch, stopped, sampler, 1, stop=3)
+    state = stopped.state_dict()
+    resumed = _balance(monkeypatch, 0, **kw)
+    sampler = resumed.batch_sampler(256)
+    resumed.load_state_dict(state)
+    got = _steps(monkeypatch, resumed, sampler, 1, cold=0.2)  # 0.2 s: 40 times rank 0's step
+    assert resumed.position == fresh.position == hetero.Position(1, 8, 8, 16)
+    assert want == [[24, 8]] * 5 and got == want
+    assert [d.step for d in resumed.decisions] == ([5, 7] if every else [7])  # not from the warm-up alone
+    assert resumed.decisions[-1].sizes == fresh.decisions[-1].sizes == [24, 8]
+
+
 @pytest.mark.parametrize("scheme", ["sync", "dp", "edp", "affine"])
 def test_every_scheme_decides_through_the_one_path(monkeypatch, scheme):
     """One process plays rank 0 of two; the gather is faked with injected times (rank 1 3x slower per sample)."""

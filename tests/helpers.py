@@ -54,6 +54,18 @@ def max_diff(got: list, want: list[torch.Tensor]) -> float:
     return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
 
 
+def spawned(worker, out: Path, nprocs: int = 2) -> list[dict]:
+    """Run `worker(rank, out)` in `nprocs` spawned gloo ranks (torch.multiprocessing, a free port), each writing
+    OUT/rank{r}.json; the ranks' results, in rank order (the HF files' shared set-up: one launch, many checks)."""
+    import torch.multiprocessing as mp
+
+    from hetero.lab.launch import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    mp.spawn(worker, args=(str(out),), nprocs=nprocs, join=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
+
+
 def _env() -> dict[str, str]:
     return clean_env(threads=os.environ.get("OMP_NUM_THREADS", "1"))
 

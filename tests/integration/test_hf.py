@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
@@ -22,9 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noq
 import hetero  # noqa: E402
 from hetero.core.sampler import EpochPlan  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
-from hetero.lab.launch import ROOT, clean_env, free_port  # noqa: E402
+from hetero.lab.launch import ROOT, clean_env  # noqa: E402
 
-from helpers import max_diff  # noqa: E402
+from helpers import max_diff, spawned  # noqa: E402
 
 B, SIZES, T, VOCAB, LR, SEED = 8, [6, 2], 12, 16, 0.5, 3
 VALID = [3 + (7 * i) % 10 for i in range(B)]  # valid label tokens per row: unequal, so token and sample shares differ
@@ -137,10 +136,7 @@ def _reference(make, data) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf_exact")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_exact_worker, args=(str(out),), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawned(_exact_worker, tmp_path_factory.mktemp("hf_exact"))
 
 
 @pytest.mark.parametrize("case, wrong", [("a", "a_doubled"), ("b", "b_removed"), ("b_tokens", "b_tokens_samples")])

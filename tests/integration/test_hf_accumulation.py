@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 os.environ["HF_HUB_OFFLINE"] = "1"  # noqa: E402  (before transformers reads it)
@@ -22,9 +21,8 @@ from test_hf_losses import own_mean  # noqa: E402
 import hetero  # noqa: E402
 from hetero.core.sampler import EpochPlan  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
-from hetero.lab.launch import free_port  # noqa: E402
 
-from helpers import max_diff  # noqa: E402
+from helpers import max_diff, spawned  # noqa: E402
 
 pytestmark = pytest.mark.slow  # 2 x 9 Trainer steps in two processes and their references: about a minute
 B, M, G, SIZES, LR, SEED = 8, 2, 2, [2, 6], 0.5, 3  # k = [1, 3] micro-batches of 2
@@ -84,10 +82,7 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf_accumulation")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_worker, args=(str(out),), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawned(_worker, tmp_path_factory.mktemp("hf_accumulation"))
 
 
 class Union(torch.utils.data.Dataset):

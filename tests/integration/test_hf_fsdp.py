@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
@@ -31,9 +30,8 @@ from test_hf_accumulation import Doubled, Removed, Union  # noqa: E402
 import hetero  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
 from hetero.integrations.hf.fsdp import CPU_REFUSAL  # noqa: E402
-from hetero.lab.launch import free_port  # noqa: E402
 
-from helpers import max_diff  # noqa: E402
+from helpers import max_diff, spawned  # noqa: E402
 
 pytestmark = pytest.mark.slow  # 6 FSDP2 Trainer runs in two processes and their references
 B, LR, SEED = 8, 0.5, 3
@@ -97,10 +95,7 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf_fsdp")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_worker, args=(str(out),), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawned(_worker, tmp_path_factory.mktemp("hf_fsdp"))
 
 
 def test_fsdp_on_cpu_ranks_is_one_line(trained):

@@ -17,7 +17,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
@@ -28,9 +27,8 @@ from test_hf_losses import CASES, MODELS, N, Rows, T, _rows, _shifted_ce  # noqa
 import hetero  # noqa: E402
 from hetero.core.sampler import EpochPlan  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
-from hetero.lab.launch import free_port  # noqa: E402
 
-from helpers import max_diff  # noqa: E402
+from helpers import max_diff, spawned  # noqa: E402
 
 pytestmark = pytest.mark.slow  # about 90 one-step Trainer runs in two processes, then their references
 LR, SEED = 0.5, 5
@@ -153,10 +151,7 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf_loss_rule")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_worker, args=(str(out),), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawned(_worker, tmp_path_factory.mktemp("hf_loss_rule"))
 
 
 _REFERENCES: dict[tuple, list[torch.Tensor]] = {}

@@ -12,7 +12,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
@@ -22,9 +21,8 @@ import transformers as tf  # noqa: E402
 import hetero  # noqa: E402
 from hetero.core.sampler import EpochPlan  # noqa: E402
 from hetero.integrations.hf import HeteroTrainer  # noqa: E402
-from hetero.lab.launch import free_port  # noqa: E402
 
-from helpers import max_diff  # noqa: E402
+from helpers import max_diff, spawned  # noqa: E402
 
 B, SIZES, T, VOCAB, LR, SEED, N = 16, [3, 13], 8, 16, 0.5, 5, 24  # N rows; step 0's window is 16 of them
 pytestmark = pytest.mark.slow  # 2 x 18 Trainer steps in two processes, then 16 single-process references: ~40 s
@@ -164,10 +162,7 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("hf_losses")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_worker, args=(str(out),), nprocs=2, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return spawned(_worker, tmp_path_factory.mktemp("hf_losses"))
 
 
 def _reference(model: str, fields: str, func, average: bool, out) -> list[torch.Tensor]:

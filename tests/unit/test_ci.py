@@ -1,0 +1,55 @@
+"""CI's evidence (.ci/durations.py): every test's time read back from pytest's JUnit XML, the slowest printed, and a
+test over the limit refused unless it is named with a reason."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+import pytest
+
+from hetero.lab.launch import ROOT
+
+
+@pytest.fixture
+def durations():
+    spec = importlib.util.spec_from_file_location("ci_durations", ROOT / ".ci" / "durations.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _xml(path, cases: list[tuple[str, str, float, str]]):
+    rows = "".join(f'<testcase classname="{c}" name="{n}" time="{t}">{body}</testcase>' for c, n, t, body in cases)
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
+    return path
+
+
+def test_a_slow_test_not_named_fails_and_every_time_is_kept(durations, tmp_path, capsys):
+    xml = _xml(tmp_path / "junit.xml", [
+        ("tests.unit.test_a", "test_quick", 0.5, ""),
+        ("tests.integration.test_b", "test_slow[x-1]", 75.0, ""),
+        ("tests.integration.test_b.TestC", "test_failed", 3.0, "<failure message='no'/>"),
+    ])
+    assert durations.main(str(xml)) == 1
+    out, err = capsys.readouterr()
+    assert "tests/integration/test_b.py::test_slow[x-1] took 75 s" in err and err.count("\n") == 1
+    assert "3 tests, 78 s in tests" in out
+    rows = list(csv.DictReader((tmp_path / "durations.csv").open()))
+    assert [r["test"] for r in rows] == ["tests/integration/test_b.py::test_slow[x-1]",
+                                         "tests/integration/test_b.py::TestC::test_failed",
+                                         "tests/unit/test_a.py::test_quick"]
+    assert [r["outcome"] for r in rows] == ["passed", "failure", "passed"]
+
+
+def test_a_named_slow_test_passes_with_its_parameters(durations, tmp_path, monkeypatch):
+    xml = _xml(tmp_path / "junit.xml", [("tests.integration.test_b", "test_slow[x-1]", 75.0, "")])
+    monkeypatch.setitem(durations.SLOW, "tests/integration/test_b.py::test_slow", "one launch of many checks")
+    assert durations.main(str(xml)) == 0
+
+
+def test_every_named_test_exists(durations):
+    """A name left behind by a renamed or removed test would excuse nothing: each is a test in its file."""
+    for name in durations.SLOW:
+        path, test = name.split("::", 1)
+        assert (ROOT / path).is_file(), name
+        assert f"def {test.split('::')[-1]}(" in (ROOT / path).read_text(), name

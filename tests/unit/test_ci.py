@@ -27,13 +27,13 @@ def _xml(path, cases: list[tuple[str, str, float, str]]):
 def test_a_slow_test_not_named_fails_and_every_time_is_kept(durations, tmp_path, capsys):
     xml = _xml(tmp_path / "junit.xml", [
         ("tests.unit.test_a", "test_quick", 0.5, ""),
-        ("tests.integration.test_b", "test_slow[x-1]", 75.0, ""),
+        ("tests.integration.test_b", "test_slow[x-1]", 175.0, ""),
         ("tests.integration.test_b.TestC", "test_failed", 3.0, "<failure message='no'/>"),
     ])
     assert durations.main(str(xml)) == 1
     out, err = capsys.readouterr()
-    assert "tests/integration/test_b.py::test_slow[x-1] took 75 s" in err and err.count("\n") == 1
-    assert "3 tests, 78 s in tests" in out
+    assert "tests/integration/test_b.py::test_slow[x-1] took 175 s" in err and err.count("\n") == 1
+    assert "3 tests, 178 s in tests" in out
     rows = list(csv.DictReader((tmp_path / "durations.csv").open()))
     assert [r["test"] for r in rows] == ["tests/integration/test_b.py::test_slow[x-1]",
                                          "tests/integration/test_b.py::TestC::test_failed",
@@ -42,7 +42,7 @@ def test_a_slow_test_not_named_fails_and_every_time_is_kept(durations, tmp_path,
 
 
 def test_a_named_slow_test_passes_with_its_parameters(durations, tmp_path, monkeypatch):
-    xml = _xml(tmp_path / "junit.xml", [("tests.integration.test_b", "test_slow[x-1]", 75.0, "")])
+    xml = _xml(tmp_path / "junit.xml", [("tests.integration.test_b", "test_slow[x-1]", 175.0, "")])
     monkeypatch.setitem(durations.SLOW, "tests/integration/test_b.py::test_slow", "one launch of many checks")
     assert durations.main(str(xml)) == 0
 

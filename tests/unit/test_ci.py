@@ -1,5 +1,5 @@
 """CI's evidence (.ci/durations.py): every test's time read back from pytest's JUnit XML, the slowest printed, and a
-test over the limit refused unless it is named with a reason."""
+test over the budget named unless it is listed with a reason; never a failure (a wall time is the machine's)."""
 from __future__ import annotations
 
 import csv
@@ -24,15 +24,16 @@ def _xml(path, cases: list[tuple[str, str, float, str]]):
     return path
 
 
-def test_a_slow_test_not_named_fails_and_every_time_is_kept(durations, tmp_path, capsys):
+def test_a_slow_test_not_named_is_reported_not_failed_and_every_time_is_kept(durations, tmp_path, capsys):
     xml = _xml(tmp_path / "junit.xml", [
         ("tests.unit.test_a", "test_quick", 0.5, ""),
         ("tests.integration.test_b", "test_slow[x-1]", 175.0, ""),
         ("tests.integration.test_b.TestC", "test_failed", 3.0, "<failure message='no'/>"),
     ])
-    assert durations.main(str(xml)) == 1
+    assert durations.main(str(xml)) == 0
     out, err = capsys.readouterr()
-    assert "tests/integration/test_b.py::test_slow[x-1] took 175 s" in err and err.count("\n") == 1
+    assert err == "" and out.count("took") == 1
+    assert "ci: note: tests/integration/test_b.py::test_slow[x-1] took 175 s" in out
     assert "3 tests, 178 s in tests" in out
     rows = list(csv.DictReader((tmp_path / "durations.csv").open()))
     assert [r["test"] for r in rows] == ["tests/integration/test_b.py::test_slow[x-1]",
@@ -41,10 +42,11 @@ def test_a_slow_test_not_named_fails_and_every_time_is_kept(durations, tmp_path,
     assert [r["outcome"] for r in rows] == ["passed", "failure", "passed"]
 
 
-def test_a_named_slow_test_passes_with_its_parameters(durations, tmp_path, monkeypatch):
+def test_a_named_slow_test_is_not_reported_with_its_parameters(durations, tmp_path, monkeypatch, capsys):
     xml = _xml(tmp_path / "junit.xml", [("tests.integration.test_b", "test_slow[x-1]", 175.0, "")])
     monkeypatch.setitem(durations.SLOW, "tests/integration/test_b.py::test_slow", "one launch of many checks")
     assert durations.main(str(xml)) == 0
+    assert "took" not in capsys.readouterr().out
 
 
 def test_every_named_test_exists(durations):

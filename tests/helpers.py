@@ -54,16 +54,23 @@ def max_diff(got: list, want: list[torch.Tensor]) -> float:
     return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
 
 
-def spawned(worker, out: Path, nprocs: int = 2) -> list[dict]:
-    """Run `worker(rank, out)` in `nprocs` spawned gloo ranks (torch.multiprocessing, a free port), each writing
-    OUT/rank{r}.json; the ranks' results, in rank order (the HF files' shared set-up: one launch, many checks)."""
+def spawned(worker, out: Path, nprocs: int = 2, args: tuple = ()) -> list[dict]:
+    """Run `worker(rank, str(out), *args)` in `nprocs` spawned gloo ranks (torch.multiprocessing, a free port), each
+    writing OUT/rank{r}.json; the ranks' results, in rank order (one launch, many checks). MASTER_ADDR/MASTER_PORT are
+    set for the children only: this process's environment is as it was after (a later test in the same process, or
+    another pytest-xdist file, must not inherit them)."""
     import torch.multiprocessing as mp
 
     from hetero.lab.launch import free_port
 
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(worker, args=(str(out),), nprocs=nprocs, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nprocs)]
+    try:
+        mp.spawn(worker, args=(str(out), *args), nprocs=nprocs, join=True)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
 def _env() -> dict[str, str]:

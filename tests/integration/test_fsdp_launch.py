@@ -15,16 +15,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
 from hetero.core.sampler import EpochPlan
-from hetero.lab.launch import ROOT, clean_env, free_port
+from hetero.lab.launch import ROOT, clean_env
 
-from helpers import sgd_step
+from helpers import sgd_step, spawned
 
 DATA = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)),
                      torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2)))
@@ -96,9 +95,7 @@ def _exact_worker(rank: int, out: str, world: int, cases: list[str]) -> None:
 
 
 def _spawn(fn, tmp_path, world: int, *args) -> list[dict]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(fn, args=(str(tmp_path), world, *args), nprocs=world, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return spawned(fn, tmp_path, world, (world, *args))
 
 
 def _reference(sizes: list[int], weighted: bool, clip: float = 0.0) -> list[torch.Tensor]:

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
 from accelerate import Accelerator  # noqa: E402
@@ -17,7 +16,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import hetero  # noqa: E402
 from hetero.integrations.accelerate import prepare  # noqa: E402
-from hetero.lab.launch import free_port  # noqa: E402
+
+from helpers import spawned  # noqa: E402
 
 N, B, EPOCHS, LR = 40, 8, 2, 1.0  # 5 steps per epoch
 
@@ -58,8 +58,7 @@ def _worker(rank: int, out: str) -> None:
 
 @pytest.mark.slow  # two processes importing accelerate: about 20 s on 2 idle cores, minutes under load
 def test_prepare_steps_the_schedule_once_per_optimizer_step(tmp_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    spawned(_worker, tmp_path)
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["helper"] == pytest.approx([0.5, 0.0])  # half-way after epoch 1 of 2, 0 only at the end

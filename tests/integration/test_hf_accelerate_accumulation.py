@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
@@ -26,9 +25,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 import hetero  # noqa: E402
 from hetero.integrations.accelerate import prepare  # noqa: E402
-from hetero.lab.launch import free_port  # noqa: E402
 
-from helpers import max_diff  # noqa: E402
+from helpers import max_diff, spawned  # noqa: E402
 
 pytestmark = pytest.mark.slow  # two processes importing accelerate and transformers
 B, M, SIZES, LR, SEED = 8, 2, [2, 6], 0.5, 3  # k = [1, 3]
@@ -90,8 +88,7 @@ def _union() -> list[torch.Tensor]:
 
 
 def test_accumulating_per_rank_counts_in_an_accelerate_loop_is_the_union_step(tmp_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    spawned(_worker, tmp_path)
     want = _union()
     for rank in range(2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())

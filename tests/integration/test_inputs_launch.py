@@ -197,6 +197,8 @@ def test_make_refuses_a_misspelled_variable():
     assert p.returncode == 2 and "hetero: error: unknown make variable EPOCH (did you mean EPOCHS?)" in p.stderr
     p = run_make("experiment", "NPROC=1;touch x")
     assert p.returncode == 2 and "NPROC must be a whole number" in p.stderr
+    p = run_make("test", "JOBS=2'; touch x; echo '")  # the count of pytest-xdist processes: a number, never shell
+    assert p.returncode == 2 and "JOBS must be a whole number" in p.stderr and not (ROOT / "x").exists()
 
 
 @pytest.mark.slow

@@ -13,21 +13,17 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
 import hetero.core.settle
-from hetero.lab.launch import free_port
 
-from helpers import Indexed, max_diff, sgd_step
+from helpers import Indexed, max_diff, sgd_step, spawned
 
 
 def _spawn(fn, tmp_path, *args, world: int = 2) -> list[dict]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    mp.spawn(fn, args=(str(tmp_path), *args), nprocs=world, join=True)
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    return spawned(fn, tmp_path, world, args)
 
 
 def _join(rank: int, world: int = 2, timeout_s: float = 60) -> None:

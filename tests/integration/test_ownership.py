@@ -108,9 +108,11 @@ def test_a_held_folder_is_refused_and_a_free_one_cleaned(done_run, tmp_path):
 def test_disk_full_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
     run = tmp_path / "run"
     real_save, calls = torch.save, []
+    before = set(_listening(os.getpid(), ports=True))  # what this pytest process had open already (another test's)
 
     def save(obj, fh):  # the second checkpoint hits a full disk half-way through
-        calls.append(_listening(os.getpid()))  # mid-run: the one-process path listens on loopback at most
+        # mid-run: the one-process path listens on loopback at most
+        calls.append(set(_listening(os.getpid(), ports=True)) - before)
         if len(calls) == 2:
             fh.write(b"x" * 1000)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -131,15 +133,16 @@ def test_disk_full_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, c
     b = RunFolder(run).load_checkpoint()["balance"]
     assert (b["epoch"], b["step"]) == (1, b["steps_per_epoch"])  # epoch 1 complete
     assert not list(run.glob(".*.tmp"))
-    assert not [ip for ip in calls[0] if ip not in LOOPBACK], calls[0]
+    assert not [ip for ip, _ in calls[0] if ip not in LOOPBACK], calls[0]
 
 
 LOOPBACK = ("127.0.0.1", "::1")
 
 
-def _listening(pid):
-    """The addresses process pid listens on (TCP)."""
-    return [c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+def _listening(pid, ports=False):
+    """The addresses process pid listens on (TCP), with their ports if asked."""
+    return [tuple(c.laddr) if ports else c.laddr.ip for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
 
 
 def _workers(marker):

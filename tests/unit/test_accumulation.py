@@ -156,7 +156,6 @@ def test_micro_batches_asked_before_an_epoch_s_first_batch_is_that_step_s_count(
     """#48 item 8: a loop that reads bal.micro_batches after set_epoch and before iterating its loader (an
     Accelerate loop sizing its progress) had the loader refuse with "call bal.set_epoch", which it had called."""
     import datetime
-    import os
 
     import torch
     import torch.distributed as dist
@@ -166,7 +165,8 @@ def test_micro_batches_asked_before_an_epoch_s_first_batch_is_that_step_s_count(
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
     try:
         bal = hetero.Balance(global_batch=8, micro_batch=2)

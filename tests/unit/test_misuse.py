@@ -89,14 +89,14 @@ def test_a_plain_dataloader_is_refused_before_its_first_step():
 def test_a_second_attach_is_refused_in_one_line(monkeypatch):
     """#36 item 7: a second bal.attach went on and the first step stopped with a misleading line."""
     import datetime
-    import os
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hetero.lab.launch import free_port
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
     try:
         bal = hetero.Balance(global_batch=8)

@@ -171,8 +171,9 @@ POLL_S = 0.5  # a gloo collective waiting this long looks for a posted line, eve
 DRAIN_S = 3.0  # once the line is read, how long the collective may take to fail by itself (the peer's exit)
 
 
-def _polled() -> bool:
-    """Collectives here block the host (gloo); NCCL's are queued on a stream, and its own watchdog ends them."""
+def polled() -> bool:
+    """Collectives here block the host (gloo); NCCL's are queued on a stream, and its own watchdog ends them. (A comm
+    hook reads it once, at attach: get_backend is dear on a step's path.)"""
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo" and \
         dist.get_world_size() > 1
 
@@ -198,7 +199,7 @@ def _posted() -> str | None:
 def finish(work) -> None:
     """Wait for a collective (its Work); when a peer posts its line meanwhile, raise that line within a second
     instead of waiting out the group's timeout."""
-    if not _polled():
+    if not polled():
         work.wait()
         return
     while True:
@@ -216,71 +217,94 @@ def finish(work) -> None:
             raise HeteroError(why)
 
 
+class _Watched:
+    """One collective the watcher may complete: its caller's future (`out`), what `then` makes of the collective's
+    result, and what to do when a peer posted its line while it waited."""
+    __slots__ = ("out", "then", "value", "on_peer", "since", "done")
+
+    def __init__(self, then, value, on_peer):
+        self.out, self.then, self.value, self.on_peer = torch.futures.Future(), then, value, on_peer
+        self.since, self.done = time.monotonic(), False
+
+
 class _Watcher:
     """One daemon thread per process: it completes the watched futures of collectives that wait more than POLL_S
     once a peer has posted its line (DDP's reducer waits on a comm hook's future, a wait hetero cannot bound),
-    within DRAIN_S of reading it."""
+    within DRAIN_S of reading it.
+
+    Cheap per collective (issue 51): a watch is one future, one callback and a set entry under a lock. The thread is
+    not woken for it: while collectives come it looks every POLL_S on its own, and it sleeps until the next watch only
+    after a whole POLL_S in which none came (only that watch notifies it)."""
 
     def __init__(self):
-        self._cond, self._pending, self._thread = threading.Condition(), [], None
+        self._cond, self._pending, self._thread = threading.Condition(), set(), None
+        self._added, self._asleep = 0, False
 
-    def watch(self, fut: torch.futures.Future, value, on_peer) -> torch.futures.Future:
-        out = torch.futures.Future()
-        entry = {"out": out, "value": value, "on_peer": on_peer, "since": time.monotonic(), "done": False}
+    def watch(self, fut: torch.futures.Future, then, value, on_peer) -> torch.futures.Future:
+        e = _Watched(then, value, on_peer)
 
         def settled(f):
             with self._cond:
-                if entry["done"]:
+                if e.done:
                     return
-                entry["done"] = True
-                self._pending.remove(entry)
+                e.done = True
+                self._pending.discard(e)
             try:
-                out.set_result(f.value())
-            except Exception as e:  # noqa: BLE001 - the collective's own error, passed on
-                out.set_exception(e)
+                e.out.set_result(e.then(f))
+            except Exception as err:  # noqa: BLE001 - the collective's own error, passed on
+                e.out.set_exception(err)
         with self._cond:
-            self._pending.append(entry)
+            self._pending.add(e)
+            self._added += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="hetero-peer-watch", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif self._asleep:
+                self._cond.notify()
         fut.add_done_callback(settled)
-        return out
+        return e.out
 
     def _run(self) -> None:
+        seen = 0
         while True:
             with self._cond:
-                while not self._pending:
-                    self._cond.wait()
-                self._cond.wait(POLL_S)
-                waiting = any(time.monotonic() - e["since"] >= POLL_S for e in self._pending)
+                if not self._pending and seen == self._added:  # a whole POLL_S without a collective: sleep
+                    self._asleep = True
+                    while not self._pending:
+                        self._cond.wait()
+                    self._asleep = False
+                seen = self._added
+                self._cond.wait(POLL_S)  # never notified while awake: a look every POLL_S
+                now = time.monotonic()
+                waiting = any(now - e.since >= POLL_S for e in self._pending)
             if not waiting or _posted() is None or (why := peer_error()) is None:
                 continue
             with self._cond:
-                stopped = [e for e in self._pending if not e["done"]]
+                stopped = [e for e in self._pending if not e.done]
             for e in stopped:
-                e["on_peer"](why)
+                e.on_peer(why)
             # the line is read, so the peer goes on to exit, which fails these collectives at once: let them end so
             # (nothing is left in flight to fail later, in this process's teardown); if it stays, free them anyway
             deadline = time.monotonic() + DRAIN_S
-            while time.monotonic() < deadline and not all(e["done"] for e in stopped):
+            while time.monotonic() < deadline and not all(e.done for e in stopped):
                 time.sleep(0.05)
             with self._cond:
-                stopped = [e for e in stopped if not e["done"]]
+                stopped = [e for e in stopped if not e.done]
                 for e in stopped:
-                    e["done"] = True
-                    self._pending.remove(e)
+                    e.done = True
+                    self._pending.discard(e)
             for e in stopped:
-                e["out"].set_result(e["value"])
+                e.out.set_result(e.value)
 
 
 _watcher = _Watcher()
 
 
-def watched(fut: torch.futures.Future, value, on_peer) -> torch.futures.Future:
-    """fut, or (gloo, several ranks) a future that also completes, with `value` and after on_peer(line), when a peer
-    posts its line while it waits: for a comm hook, whose future DDP's reducer waits on."""
-    return _watcher.watch(fut, value, on_peer) if _polled() else fut
+def watched(fut: torch.futures.Future, then, value, on_peer, watch: bool = True) -> torch.futures.Future:
+    """fut.then(then), or (watch: gloo, several ranks; `polled()`) a future that also completes, with `value` and
+    after on_peer(line), when a peer posts its line while it waits: for a comm hook, whose future DDP's reducer
+    waits on."""
+    return _watcher.watch(fut, then, value, on_peer) if watch else fut.then(then)
 
 
 def gather_rows(values: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .agree import HeteroError, agree, gather_identities, guarded, peer_error, post, same_steps
+from .agree import HeteroError, agree, gather_identities, guarded, peer_error, polled, post, same_steps
 from .clock import StepClock
 from .emulator import Emulator, parse_hetero
 from .link import Link
@@ -106,7 +106,7 @@ class Engine:
         link.coll = link.device if dist.get_backend() == "nccl" else torch.device("cpu")
         self._agree("attach")
         self.plan.identities = gather_identities(self.plan.settings.worker_id, link.device, link.coll)
-        link.model = model
+        link.model, link.first, link.watch = model, next(model.parameters()), polled()
 
     def _fingerprint(self) -> dict:
         """Every setting the ranks must share, as plain data (compared at attach and at each set_epoch)."""
@@ -200,7 +200,8 @@ class Engine:
         return sizes
 
     def _cleared(self) -> None:
-        first = next(self.link.model.parameters())
+        link = self.link  # FSDP2 may swap the registered parameters (sharded, unsharded): read them afresh there
+        first = link.first if link.first is not None and link.fsdp is None else next(link.model.parameters())
         if first.grad is None:  # gradients cleared (zero_grad): a step skipped by a GradScaler is fine
             self.link.since_opt = 0
 

@@ -23,6 +23,8 @@ class Link:
         self.unsynced = False     # a backward ran under no_sync since the last all-reduce (the guard reads it)
         self.since_opt = 0        # steps begun since the model's optimizer last stepped (the guard resets it)
         self.peer_failed: str | None = None  # a peer's posted line, seen when this rank's collective failed
+        self.watch = False        # the comm hook's collectives are watched for a peer's line (agree.polled: gloo)
+        self.first: torch.nn.Parameter | None = None  # the model's first parameter (begin reads its grad)
 
     def collective_failed(self) -> bool:
         """This rank's gradient collective failed: True when a peer posted why (raised at the optimizer step or

@@ -104,15 +104,22 @@ def _water_fill(w: np.ndarray, total: float, lo: np.ndarray, hi: np.ndarray) -> 
         x = np.where(pos, hi, 0.0)
         x[~pos] = _water_fill(np.ones(int((~pos).sum())), total - hi[pos].sum(), lo[~pos], hi[~pos])
         return x
-    lam_lo, lam_hi = 0.0, float(np.max(hi[pos] / w[pos]))
-    for _ in range(200):  # sum(clip(lam*w)) is continuous and monotone in lam
-        mid = 0.5 * (lam_lo + lam_hi)
-        if not lam_lo < mid < lam_hi:
-            break
-        if np.clip(mid * w, lo, hi).sum() < total:
-            lam_lo = mid
+    # sum(clip(lam*w, lo, hi)) is continuous, monotone and piecewise linear in lam, with its kinks where a rank
+    # meets a bound (lo/w, hi/w): find the kinks' segment holding `total` by bisection over them (log2 of 2n
+    # sums, not a bisection on lam to rounding error: a decision's cost, issue 51), then solve it on that line
+    fill = lambda lam: float(np.clip(lam * w, lo, hi).sum())  # noqa: E731
+    kinks = np.unique(np.concatenate([[0.0], lo[pos] / w[pos], hi[pos] / w[pos]]))
+    a, b = 0, len(kinks) - 1
+    if fill(kinks[0]) >= total:
+        b = 0
+    while b - a > 1:
+        mid = (a + b) // 2
+        if fill(kinks[mid]) < total:
+            a = mid
         else:
-            lam_hi = mid
+            b = mid
+    fa, fb = fill(kinks[a]), fill(kinks[b])
+    lam_hi = kinks[b] if not fb > fa else kinks[a] + (total - fa) * (kinks[b] - kinks[a]) / (fb - fa)
     x = np.clip(lam_hi * w, lo, hi)
     free = pos & (x > lo) & (x < hi)
     if free.any():  # solve the free ranks' multiplier exactly, so the sum is total to rounding error

@@ -28,16 +28,28 @@ class EpochPlan:
         # drawn on the CPU (the same permutation whatever the devices), then moved once per epoch: on a GPU the
         # per-step slices are then device tensors, and no step waits for a host-to-device copy of its indices
         self.perm = torch.randperm(n_samples, generator=gen).to(device)
+        self._listed: list[int] | None = None  # perm as a list, for the sampler (index_list)
 
-    def indices(self, step: int, sizes, rank: int) -> torch.Tensor:
-        """Sample indices of `rank` at `step`, given every rank's batch size for that step (sizes sum to B)."""
+    def _cut(self, step: int, sizes, rank: int) -> tuple[int, int]:
+        """Where `rank`'s slice of `step` starts in the permutation, and its length."""
         if not 0 <= step < self.steps:
             raise IndexError(f"step {step} outside 0..{self.steps - 1}")
         sizes = [int(b) for b in sizes]
         if sum(sizes) != self.global_batch:
             raise ValueError(f"batch sizes {sizes} do not sum to the global batch {self.global_batch}")
-        start = step * self.global_batch + sum(sizes[:rank])
-        return self.perm[start:start + sizes[rank]]
+        return step * self.global_batch + sum(sizes[:rank]), sizes[rank]
+
+    def indices(self, step: int, sizes, rank: int) -> torch.Tensor:
+        """Sample indices of `rank` at `step`, given every rank's batch size for that step (sizes sum to B)."""
+        start, n = self._cut(step, sizes, rank)
+        return self.perm[start:start + n]
+
+    def index_list(self, step: int, sizes, rank: int) -> list[int]:
+        """`indices` as a list, cut from the permutation's list made once per epoch (no tensor per step)."""
+        if self._listed is None:
+            self._listed = self.perm.tolist()
+        start, n = self._cut(step, sizes, rank)
+        return self._listed[start:start + n]
 
 
 class BalancedBatchSampler(torch.utils.data.Sampler):
@@ -77,5 +89,5 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         epoch, plan = at.epoch, self.plan(at.epoch)
         m = p.settings.micro_batch
         for step in range(first, plan.steps):
-            idx = plan.indices(step, sched.sizes_at(epoch, step), p.rank).tolist()
+            idx = plan.index_list(step, sched.sizes_at(epoch, step).tolist(), p.rank)
             yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

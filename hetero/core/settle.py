@@ -46,6 +46,12 @@ class _Settle:
             self.used = True
         weakref.finalize(fn, self._freed)
 
+    def hold(self) -> None:
+        """One Held made (cheaper than track's finalizer, for the comm hook's per-bucket callbacks)."""
+        with self._lock:
+            self.alive += 1
+            self.used = True
+
     def _freed(self) -> None:
         with self._lock:
             self.alive -= 1
@@ -63,6 +69,18 @@ class _Settle:
 
 
 settle = _Settle()
+
+
+class Held:
+    """A callback counted from its making until the thread that ran it frees it, as `settle.track` counts a function:
+    the comm hook's per-bucket callbacks are Held (a counter and __del__, no finalizer per bucket)."""
+    __slots__ = ()
+
+    def __init__(self):
+        settle.hold()
+
+    def __del__(self):
+        settle._freed()
 atexit.register(settle.wait)
 if hasattr(os, "register_at_fork"):  # POSIX: before a DataLoader's workers are forked from a rank
     os.register_at_fork(before=lambda: settle.wait(timeout_s=2.0))

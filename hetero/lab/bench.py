@@ -1,8 +1,9 @@
 """The benchmark suite on CPU ranks, measured side by side in one run (docs/benchmarks.md, for the method):
 balance efficiency against each run's own ideal, the trainer's overhead over a plain DDP loop, the API's FSDP2
 step over plain FSDP2's (docs/fsdp.md), the time of one rebalancing decision for 2 to 4096 workers, and the
-Hugging Face Trainer with hetero over the plain one (docs/huggingface.md), and the seconds from a lost node to the
-survivor's first step under torchrun's elastic agent (docs/elastic.md).
+Hugging Face Trainer with hetero over the plain one (docs/huggingface.md), the seconds from a lost node to the
+survivor's first step under torchrun's elastic agent (docs/elastic.md), and the host time hetero adds per step in
+microseconds, by phase (host.py).
 
     make bench [QUICK=1]             # = python -m hetero.lab.bench [--quick]; runs/bench/<time>/bench.json, table.md
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from ..core import safeio
 from ..trainer.cli import CliParser
-from . import efficiency, fsdp_overhead, hfbench, outside, overhead, recovery, simbench
+from . import efficiency, fsdp_overhead, hfbench, host, outside, overhead, recovery, simbench
 from .launch import root
 from .measure import LaunchError, markdown_table, run_meta
 from .suite import PARTS, QUICK, Suite
@@ -83,6 +84,9 @@ def checks(res: dict) -> list[dict]:
     if (rec := res.get("recovery")) and rec["first_step_s"] is not None:  # a figure: stated, not gated by the tests
         out.append({"target": "lost node to the new world's first step <= 10 s (torchrun, 2 agents, median)",
                     "value": rec["first_step_s"], "pass": rec["first_step_s"] <= 10})
+    if (hs := res.get("host")) and "ddp" in hs:  # a figure: stated, not gated by the tests
+        out.append({"target": "host time hetero adds per DDP step <= 100 µs (median, CPU time)",
+                    "value": hs["ddp"]["added_cpu_us"], "pass": hs["ddp"]["added_cpu_us"] <= 100})
     for r in res.get("balancer", []):
         if r["workers"] == 4096:
             out.append({"target": f"one {r['rule']} decision for 4096 workers < 10 ms", "value": r["decision_ms"],
@@ -197,6 +201,8 @@ def table(res: dict) -> str:
         lines.append("")
     if rec := res.get("recovery"):
         lines += recovery_section(rec)
+    if hs := res.get("host"):
+        lines += host.section(hs) + ["![host time per step by phase](host_breakdown.png)", ""]
     if res.get("notes"):
         lines += ["## Notes", ""] + [f"- {n}" for n in res["notes"]] + [""]
     if res.get("checks"):
@@ -246,6 +252,10 @@ def run(suite: Suite, out: Path, command: str) -> dict:
         res["hf"] = hf
     if "recovery" in suite.parts:
         res["recovery"] = recovery.measure(out, suite.recovery_kills, notes=res["notes"])
+    if "host" in suite.parts:
+        res["host"] = host.measure(out, suite.host_steps, res["notes"], hf_runs=suite.hf_runs)
+        if fig := host.figure(res["host"], out / "host_breakdown.png"):
+            res["figures"] = [*res.get("figures", []), str(fig)]
     res["meta"].update(wall_s=time.perf_counter() - t0, load_avg_end=os.getloadavg())
     res["checks"] = checks(res)
     safeio.write_text(out / "bench.json", json.dumps(res, indent=1))  # never through a planted link
@@ -362,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--recovery-kills", type=int, help="two-agent runs that lose a node (the recovery part)")
+    p.add_argument("--host-steps", type=int, help="steps of each loop in the host part (Linear(8, 8), 2 ranks)")
     p.add_argument("--outside", type=listed(str),
                    help="outside stragglers of the outside part: quota,quota-10ms,neighbour")
     p.add_argument("--come-and-go", type=listed(str), help="schemes run with a neighbour that comes and goes")
@@ -371,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
                                         "batch_per_rank", "steps", "repeats", "overhead_launches", "overhead_epochs",
                                         "pin", "delays", "micro_batch", "hf_runs", "hf_steps", "recovery_kills",
-                                        "outside", "come_and_go")
+                                        "outside", "come_and_go", "host_steps")
             if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)

@@ -18,7 +18,7 @@ def kinds(world: int) -> dict[str, tuple[str, str]]:
             "neighbour": ("busy neighbour on its core", f"{last}:neighbour=busy")}
 
 
-PARTS = ("balance", "outside", "overhead", "fsdp", "balancer", "hf", "recovery")
+PARTS = ("balance", "outside", "overhead", "fsdp", "balancer", "hf", "recovery", "host")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +39,7 @@ class Suite:
     hf_runs: int = 8                            # HF Trainer runs with hetero and without, in turn
     hf_steps: int = 40                          # optimizer steps per HF Trainer run
     recovery_kills: int = 3                     # two-agent runs, each losing one agent mid-epoch (median of these)
+    host_steps: int = 3000                      # steps of each loop in turn in the host part (Linear(8, 8))
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
     micro_batch: int = 0                        # the trainer's --micro-batch (0: per-rank batch sizes)
     outside: tuple[str, ...] = ("quota", "quota-10ms", "neighbour")  # stragglers on the last of 2 ranks (--straggler)
@@ -60,6 +61,8 @@ class Suite:
             raise ValueError("need batch_per_rank >= 4, steps >= 1, repeats >= 1 and overhead_launches >= 1")
         if self.recovery_kills < 1:
             raise ValueError("need recovery_kills >= 1")
+        if self.host_steps < 20:
+            raise ValueError("need host_steps >= 20")
         if self.hf_runs < 1 or self.hf_steps < hfbench.WARMUP + 2:
             raise ValueError(f"need hf_runs >= 1 and hf_steps >= {hfbench.WARMUP + 2}")
         if not self.worlds or min(self.worlds) < 2 or not (self.slowdowns or self.delays):
@@ -86,5 +89,5 @@ class Suite:
 
 
 QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
-             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1, outside=("quota", "neighbour"),
-             come_and_go=("dp",), come_epochs=(2, 4, 6))
+             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1, host_steps=300,
+             outside=("quota", "neighbour"), come_and_go=("dp",), come_epochs=(2, 4, 6))

@@ -31,7 +31,8 @@ def test_bench_quickest(tmp_path):
     p = _run([sys.executable, "-m", "hetero.lab.bench", "--quick", "--out", str(out), "--worlds", "2",
               "--slowdowns", "8", "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
               "--overhead-epochs", "2", "--max-workers", "16", "--hf-runs", "1", "--hf-steps", "6",
-              "--parts", "balance,overhead,fsdp,balancer,hf,recovery"], timeout=360)  # outside: its own test below
+              "--host-steps", "40", "--parts", "balance,overhead,fsdp,balancer,hf,recovery,host"],
+             timeout=420)  # outside: its own test below
     res = json.loads((out / "bench.json").read_text())
     assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
     assert res["meta"]["suite"]["worlds"] == [2] and res["meta"]["command"].startswith("python -m hetero.lab.bench")
@@ -72,8 +73,17 @@ def test_bench_quickest(tmp_path):
     run = rec["runs"][0]
     assert 0 < run["notice"] <= run["rendezvous"] <= run["start"] <= run["first_step"] and run["import_s"] > 0
     assert "Recovery under torchrun" in (out / "table.md").read_text()
+    hs = res["host"]  # the host part: every door's added µs per step, and hetero's phases (all measured, finite)
+    assert hs["steps"] == 40 and set(hs) == {"steps", "ddp", "fsdp"}
+    assert all(math.isfinite(hs[d][k]) for d in ("ddp", "fsdp") for k in ("added_cpu_us", "added_wall_p10_us",
+                                                                           "plain_cpu_us", "added_cpu_mean_us"))
+    assert math.isfinite(hs["ddp"]["hook_floor_cpu_us"]) and hs["ddp"]["plain_cpu_us"] > 0
+    ph = hs["ddp"]["phases_us"]
+    assert ph["begin"] > 0 and ph["hook"] > 0 and ph["end"] > 0 and ph["sampler"] > 0 and ph["metrics"] > 0
+    assert hs["fsdp"]["phases_us"]["collective"] > 0 and (out / "host_breakdown.png").stat().st_size > 0
+    assert "Host time per step" in (out / "table.md").read_text()
     assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api", "lost",
-                                                               "metrics(bal)", *["hf"] * hf}
+                                                               "metrics(bal)", "host", *["hf"] * hf}
     assert (r["affinity"] == "") == (len(os.sched_getaffinity(0)) >= 2)  # pinned only when oversubscribed
 
 

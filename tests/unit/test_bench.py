@@ -203,3 +203,35 @@ def test_the_target_band_is_the_sizes_within_the_misallocation_target_and_the_dr
     assert outside.optimum_drift([run], tmp_path / "drift.png") == tmp_path / "drift.png"
     assert (tmp_path / "drift.png").stat().st_size > 0
     assert outside.optimum_drift([{**run, "cost_model": {}}], tmp_path / "none.png") is None
+
+
+def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
+    """The host part's summary from constructed per-step times: hetero less plain at the median and the fastest
+    decile, in wall and CPU time; torch's own Python hook as the floor; the mean over every step (a decision's
+    steps included); the phases per step. Its table and figure are written from that summary."""
+    from hetero.lab import host
+
+    steps = np.arange(100.0)
+    plain = {"wall_s": (1000 + steps) * 1e-6, "cpu_s": (800 + steps) * 1e-6}
+    hook = {k: v + 60e-6 for k, v in plain.items()}
+    het = {k: v + 150e-6 for k, v in plain.items()}
+    het["cpu_s"] = het["cpu_s"].copy()
+    het["cpu_s"][::10] += 1000e-6  # a decision every 10 steps: the mean moves by 100 µs, the median not at all
+    phases = {p: 1e-6 for p in host.PHASES}
+    raw = {"ddp": {"plain": {k: v.tolist() for k, v in plain.items()},
+                   "torch_hook": {k: v.tolist() for k, v in hook.items()},
+                   "hetero": {k: v.tolist() for k, v in het.items()}, "phases_s": phases},
+           "fsdp": {"plain": {k: v.tolist() for k, v in plain.items()},
+                    "hetero": {k: (v + 40e-6).tolist() for k, v in plain.items()}, "phases_s": phases}}
+    s = host.summary(raw)
+    ddp, fsdp = s["ddp"], s["fsdp"]
+    assert ddp["added_wall_us"] == pytest.approx(150) and ddp["added_wall_p10_us"] == pytest.approx(150)
+    assert ddp["added_cpu_us"] == pytest.approx(150, abs=10)  # the decisions' tenth of the steps shifts it a little
+    assert ddp["added_cpu_mean_us"] == pytest.approx(250)
+    assert ddp["hook_floor_cpu_us"] == pytest.approx(60) and ddp["beyond_hook_wall_us"] == pytest.approx(90)
+    assert fsdp["added_cpu_us"] == pytest.approx(40) and "hook_floor_cpu_us" not in fsdp
+    assert ddp["phases_us"]["hook"] == pytest.approx(1.0)
+    text = "\n".join(host.section({**s, "steps": 100}))
+    assert "| ddp | 1050 / 850 | +150 |" in text and "| fsdp |" in text
+    assert host.figure(s, tmp_path / "host.png") == tmp_path / "host.png" and (tmp_path / "host.png").stat().st_size
+    assert host.figure({}, tmp_path / "none.png") is None

@@ -23,6 +23,34 @@ def test_batch_sizes_random_properties():
             assert np.all(np.abs(b - np.maximum(shares / shares.sum() * B, lo)) < 1 + n * lo)
 
 
+def _bisected(w, total, lo, hi):
+    """The real split by plain bisection on the multiplier to rounding error (what _water_fill solved before its
+    kinks were used): the reference the fast solver must match."""
+    lam_lo, lam_hi = 0.0, float(np.max(hi[w > 0] / w[w > 0]))
+    for _ in range(400):
+        mid = 0.5 * (lam_lo + lam_hi)
+        if not lam_lo < mid < lam_hi:
+            break
+        lam_lo, lam_hi = (mid, lam_hi) if np.clip(mid * w, lo, hi).sum() < total else (lam_lo, mid)
+    return np.clip(lam_hi * w, lo, hi)
+
+
+def test_water_fill_solves_on_its_kinks_what_bisection_finds():
+    from hetero.core.partition import _water_fill
+
+    rng = np.random.default_rng(1)
+    for _ in range(3000):
+        n = int(rng.integers(1, 12))
+        w = rng.random(n) * (rng.random(n) > 0.2)
+        w[0] = w[0] or 0.5  # at least one weighted rank
+        lo = rng.integers(0, 3, n).astype(float)
+        hi = np.where(rng.random(n) < 0.5, rng.integers(3, 200, n), 1e9).astype(float)
+        total = float(rng.uniform(lo.sum(), min(hi[w > 0].sum() + lo[w == 0].sum(), 2000)))
+        x = _water_fill(w, total, lo, hi)
+        assert abs(x.sum() - total) < 1e-6 * max(total, 1) and np.all(x >= lo - 1e-9) and np.all(x <= hi + 1e-9)
+        assert np.allclose(x, _bisected(w, total, lo, hi), rtol=1e-6, atol=1e-6), (w, total, lo, hi)
+
+
 def test_batch_sizes_exact_cases():
     assert batch_sizes([0.5, 0.5], 256).tolist() == [128, 128]
     assert batch_sizes([1, 1, 1], 250).sum() == 250          # 250 and 100 broke the first implementation

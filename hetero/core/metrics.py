@@ -49,6 +49,24 @@ def predicted_speedup(d: Decision) -> float | None:
     return even / chosen
 
 
+_COUNTED: dict[int, tuple[int, int, Decision]] = {}  # id(decisions) -> (decisions counted, changes, the last counted)
+
+
+def _size_changes(decisions: list[Decision]) -> int:
+    """How many decisions changed the sizes, counting only those added since the last call on the same list (a
+    Balance's list only grows): a read-out every step stays O(1) however long training runs (issue 51). A list
+    that is not the one remembered (another object under a reused id, or a shorter one) is counted afresh."""
+    n, changes, last = _COUNTED.get(id(decisions), (0, 0, None))
+    if n > len(decisions) or (n and decisions[n - 1] is not last):
+        n, changes = 0, 0
+    changes += sum(d.changed for d in decisions[n:])
+    if len(_COUNTED) > 64:  # a process holds a few Balances; forget the others'
+        _COUNTED.clear()
+    if decisions:
+        _COUNTED[id(decisions)] = (len(decisions), changes, decisions[-1])
+    return changes
+
+
 def metrics(bal, per_rank: bool | None = None) -> dict[str, float]:
     """This Balance's read-out as {"hetero/...": float} (module docstring); no collective, cheap enough for every
     step. per_rank: list every rank's keys (None: when the world has at most PER_RANK_MAX ranks)."""
@@ -58,7 +76,7 @@ def metrics(bal, per_rank: bool | None = None) -> dict[str, float]:
     many = world <= PER_RANK_MAX if per_rank is None else per_rank
     out = {f"{PREFIX}batch_size": float(sizes[rank]), f"{PREFIX}share": sizes[rank] / B,
            f"{PREFIX}decisions": float(len(decisions)),
-           f"{PREFIX}size_changes": float(sum(d.changed for d in decisions))}
+           f"{PREFIX}size_changes": float(_size_changes(decisions))}
     if many:
         for r, b in enumerate(sizes):
             out[f"{PREFIX}rank{r}/batch_size"] = float(b)

@@ -74,7 +74,10 @@ def test_bench_quickest(tmp_path):
     assert 0 < run["notice"] <= run["rendezvous"] <= run["start"] <= run["first_step"] and run["import_s"] > 0
     assert "Recovery under torchrun" in (out / "table.md").read_text()
     hs = res["host"]  # the host part: every door's added µs per step, and hetero's phases (all measured, finite)
-    assert hs["steps"] == 40 and set(hs) == {"steps", "ddp", "fsdp"}
+    assert hs["steps"] == 40 and set(hs) == {"steps", "hf_steps", "ddp", "fsdp", *["hf"] * hf}
+    assert hs["hf_steps"] == (6 if hf else 0)  # the HF Trainer's door: 1 run of each kind of max(40 // 10, 6) steps
+    if hf:
+        assert math.isfinite(hs["hf"]["added_cpu_us"]) and hs["hf"]["phases_us"]["begin"] > 0
     assert all(math.isfinite(hs[d][k]) for d in ("ddp", "fsdp") for k in ("added_cpu_us", "added_wall_p10_us",
                                                                            "plain_cpu_us", "added_cpu_mean_us"))
     assert math.isfinite(hs["ddp"]["hook_floor_cpu_us"]) and hs["ddp"]["plain_cpu_us"] > 0

@@ -205,3 +205,26 @@ def test_the_trainers_board_writes_the_rows_and_an_overwritten_run_starts_afresh
         (s, round(0.2 + s, 6)) for s in range(4)]
     assert acc.Scalars("hetero/predicted_speedup")[0].value == pytest.approx(2.0)
     assert progress(bal) == "shares 0.75/0.25 | predicted 2.00x"
+
+
+def test_size_changes_are_counted_as_decisions_come_and_afresh_for_another_list():
+    """The read-out counts only the decisions added since its last call on a list (O(1) per step however long the
+    run, issue 51): its count equals the full sum after every addition, and another list (or a shorter one) is
+    counted from its start."""
+    from hetero.core.metrics import _size_changes
+    from hetero.core.records import Decision
+
+    def d(changed):
+        return Decision(0, 0, 1, [4, 4], [0.5, 0.5], [0.1, 0.1], changed=changed)
+
+    rng = np.random.default_rng(0)
+    decisions = []
+    for _ in range(300):
+        decisions.append(d(bool(rng.random() < 0.3)))
+        assert _size_changes(decisions) == sum(x.changed for x in decisions)
+    other = [d(True), d(True)]
+    assert _size_changes(other) == 2 and _size_changes(decisions) == sum(x.changed for x in decisions)
+    del decisions[5:]  # shorter than what was counted: afresh
+    assert _size_changes(decisions) == sum(x.changed for x in decisions)
+    decisions[-1] = d(not decisions[-1].changed)  # the last counted is another object: afresh
+    assert _size_changes(decisions) == sum(x.changed for x in decisions)

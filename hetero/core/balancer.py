@@ -83,6 +83,7 @@ class Balancer:
     _changed_at: int = field(default=-1, repr=False)         # the decision (its count) that made it
     # the latest decide()'s window, measured for its Decision (window_noise_s); not saved: the Decision keeps it
     window_noise_s: float | None = field(default=None, repr=False)
+    _even_split: tuple = field(default=None, repr=False)  # (bounds, an even split within them): predicted()'s
 
     def __post_init__(self):
         if self.rule not in ("static", "proportional", "affine"):
@@ -194,9 +195,18 @@ class Balancer:
         fixed, per = self.fixed_s, self.per_sample_s
         if fixed is None or per is None or not (np.all(np.isfinite(fixed)) and np.all(np.isfinite(per))):
             return None
-        even = batch_sizes(np.full(self.world, 1.0 / self.world), self.global_batch, self.min_batch, self.max_batch,
-                           self.granularity)
-        return predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, even)
+        return predicted_step_s(fixed, per, self.sizes), predicted_step_s(fixed, per, self._even())
+
+    def _even(self) -> np.ndarray:
+        """An even split within this balancer's bounds (plain DDP's sizes), made once per set of bounds: a decision's
+        read-out needs it every time (issue 51: a second water-fill per decision)."""
+        bounds = (self.world, self.global_batch, self.min_batch, self.granularity,
+                  None if self.max_batch is None else tuple(np.ravel(self.max_batch).tolist()))
+        cached = self._even_split
+        if cached is None or cached[0] != bounds:
+            cached = self._even_split = (bounds, batch_sizes(np.full(self.world, 1.0 / self.world), self.global_batch,
+                                                             self.min_batch, self.max_batch, self.granularity))
+        return cached[1]
 
     def _fit(self, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Affine fixed and per-sample costs per rank from the new window and the kept ones."""

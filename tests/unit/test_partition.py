@@ -122,3 +122,15 @@ def test_a_quota_sustains_a_ranks_cpu_at_its_rate_and_no_faster():
     assert got[:, 1] == pytest.approx([fluid, 0.090, 0.020])
     assert (sustained_s(compute, None, [np.inf, 0.033], [np.inf, 0.1]) == compute).all()
     assert (sustained_s(compute, cpu, None, None) == compute).all()
+
+
+def test_the_even_split_a_decision_is_read_against_follows_the_bounds():
+    """predicted()'s even split is made once per set of bounds (a decision's read-out), and made again when a probe
+    lowers a rank's largest batch: plain DDP under the new bounds, never the old split."""
+    b = Balancer("proportional", 2, 100)
+    b.observe(np.array([[50, 50]] * 4), np.array([[0.05, 0.15]] * 4))
+    b.decide()
+    chosen, even = b.predicted()
+    assert even == pytest.approx(0.15)  # 50/50 at rank 1's 3 ms a sample
+    b.bound([80, 30])  # rank 1 now holds at most 30: the even split within bounds is 70/30
+    assert b.predicted()[1] == pytest.approx(max(70 * 0.001, 30 * 0.003))

@@ -90,9 +90,10 @@ experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment M
 		$(BIN)/python -m hetero.trainer --check $(ARGS)
 	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.trainer $(ARGS)
 
-# JOBS=2: pytest-xdist runs the test files in 2 processes (a file's tests stay in one: its shared fixtures launch
-# once); 45 min instead of 72 for both tiers on 2 cores here. Default 1: CI runs them one by one.
-JOBS ?= 1
+# JOBS: pytest-xdist runs the test files in JOBS processes (--dist loadfile: a file's tests stay in one, so its
+# shared fixtures launch once). Default 2, CI included: a launch leaves a core idle while its ranks wait at an
+# all-reduce or a launcher starts (docs/getting-started.md: the times). JOBS=1 runs them one by one, in one process.
+JOBS ?= 2
 $(call digits,$(JOBS),JOBS)
 XDIST := $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile,)
 

@@ -115,15 +115,24 @@ def test_a_resume_with_another_global_batch_is_refused_at_load_in_one_line_on_ev
     assert again.stderr.count(line) == 2 and "Traceback" not in again.stderr, again.stderr[-4000:]
 
 # -- per-rank accumulation and FSDP2: one optimizer step against one process on the union ----------------------
-def _exact_run(tmp_path, strategy: str, mode: str, broken: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXACT), str(tmp_path / "rec"), strategy, mode, broken], cwd=tmp_path,
+def _exact_run(tmp_path, *cases: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXACT), str(tmp_path / "rec"), *cases], cwd=tmp_path,
                           env=clean_env(threads="1"), capture_output=True, text=True, timeout=600)
 
 
-def _exact(tmp_path, strategy: str, mode: str, broken: str = "") -> list[dict]:
-    p = _exact_run(tmp_path, strategy, mode, broken)
+# strategy:mode[:broken]: every case that must train, each a fit of its own in one Lightning launch
+CASES = ["ddp:micro", "fsdp:micro", "fsdp:batch", "ddp:micro:double", "ddp:micro:remove", "ddp:micro:equal"]
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory) -> dict[str, list[dict]]:
+    """The ranks' records of every case in CASES, by case."""
+    tmp_path = tmp_path_factory.mktemp("exact")
+    p = _exact_run(tmp_path, *CASES)
     assert p.returncode == 0, p.stderr[-4000:]
-    return [json.loads((tmp_path / f"rec.rank{r}.json").read_text()) for r in range(2)]
+    named = {case: "-".join((case.split(":") + ["ok"])[:3]) for case in CASES}  # the script's file names
+    return {case: [json.loads((tmp_path / f"rec.{name}.rank{r}.json").read_text()) for r in range(2)]
+            for case, name in named.items()}
 
 
 def _script():
@@ -158,29 +167,28 @@ def _check(ranks: list[dict], lens: list[list[int]]) -> float:
 MICRO = [[4], [4, 4, 4]]  # micro_batch 4, counts k = [1, 3]
 
 
-@pytest.mark.slow  # one Lightning launch each, 15 to 20 s on 2 quiet cores
+@pytest.mark.slow  # one Lightning launch for every case of CASES, 20 to 30 s on 2 quiet cores
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_per_rank_accumulation_is_one_single_process_step_on_the_union(tmp_path, strategy):
+def test_per_rank_accumulation_is_one_single_process_step_on_the_union(exact, strategy):
     """Manual optimisation on Lightning's dataloader_iter, micro-batches of 4, k = [1, 3] (DDPStrategy, and
     ModelParallelStrategy with fully_shard in configure_model): the same parameters as one process's SGD step."""
-    _check(_exact(tmp_path, strategy, "micro"), MICRO)
+    _check(exact[f"{strategy}:micro"], MICRO)
 
 
 @pytest.mark.slow
-def test_model_parallel_strategy_with_per_rank_batch_sizes_is_exact(tmp_path):
+def test_model_parallel_strategy_with_per_rank_batch_sizes_is_exact(exact):
     """Automatic optimisation, FSDP2 through ModelParallelStrategy, sizes [3, 13]: b_i/B in the reduce-scatter."""
-    _check(_exact(tmp_path, "fsdp", "batch"), [[3], [13]])
+    _check(exact["fsdp:batch"], [[3], [13]])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("broken", "fails"), [("double", "not the single-process step"),
                                                ("remove", "not the single-process step"),
                                                ("equal", "cannot tell")])
-def test_the_exactness_check_fails_when_the_weighting_is_doubled_or_removed_or_the_counts_equal(tmp_path, broken,
-                                                                                                 fails):
+def test_the_exactness_check_fails_when_the_weighting_is_doubled_or_removed_or_the_counts_equal(exact, broken, fails):
     """Negative controls of the check above (DDP): this rank's weight doubled (bal.set_weight), no b_i/B
     weighting (scheme "sync": the mean of rank means), and counts [2, 2], where the two cannot be told apart."""
-    ranks = _exact(tmp_path, "ddp", "micro", broken)
+    ranks = exact[f"ddp:micro:{broken}"]
     with pytest.raises(AssertionError, match=fails):
         _check(ranks, MICRO)
 
@@ -205,7 +213,7 @@ def test_accumulate_grad_batches_with_hetero_is_refused_in_one_line_pointing_to_
 
 @pytest.mark.slow
 def test_model_parallel_strategy_with_tensor_parallelism_is_refused_in_one_line(tmp_path):
-    p = _exact_run(tmp_path, "fsdp", "micro", "tp")
+    p = _exact_run(tmp_path, "fsdp:micro:tp")
     assert p.returncode == 2 and "hetero: ModelParallelStrategy with tensor_parallel_size > 1" in p.stderr, \
         p.stderr[-4000:]
 

@@ -1,5 +1,7 @@
 """One optimizer step of a Lightning fit with unequal per-rank work, against one process on the union of its
-samples. `python lightning_exact.py OUT STRATEGY MODE [BREAK]`: Lightning's own launcher, 2 CPU processes (gloo).
+samples. `python lightning_exact.py OUT CASE [CASE ...]`, each CASE STRATEGY:MODE[:BREAK]: Lightning's own launcher,
+2 CPU processes (gloo), every case a fit of its own in the same two processes (one launch, many checks; the second
+fit finds LOCAL_RANK set by the first launch and the process group formed, as Lightning means it to).
 
 STRATEGY: ddp (DDPStrategy) or fsdp (ModelParallelStrategy, fully_shard in configure_model).
 MODE: micro (micro_batch 4, replayed counts k = [1, 3], manual optimisation: each batch in `with bal.step():`),
@@ -7,8 +9,9 @@ MODE: micro (micro_batch 4, replayed counts k = [1, 3], manual optimisation: eac
 BREAK (negative controls): double (this rank's weight doubled), remove (scheme "sync": the mean of the ranks'
       means, no b_i/B weighting), equal (counts [2, 2] instead of [1, 3]), tp (ModelParallelStrategy with
       tensor_parallel_size 2: refused in one line).
-Each rank writes the indices of every batch it trained on and the parameters after the step to OUT.rankR.json; a
-refusal is one line on stderr and exit status 2.
+Each rank writes the indices of every batch it trained on and the parameters after the step to
+OUT.STRATEGY-MODE-BREAK.rankR.json (BREAK "ok" when none); a refusal is one line on stderr and exit status 2, and
+ends the launch.
 """
 import json
 import sys
@@ -96,8 +99,9 @@ class Micro(Module):
                     break
 
 
-def main(out: str, strategy: str, mode: str, broken: str) -> int:
-    torch.set_num_threads(1)
+def fit(out: str, strategy: str, mode: str, broken: str) -> None:
+    """One case: one optimizer step of a fit, recorded under OUT.STRATEGY-MODE-BREAK."""
+    out = f"{out}.{strategy}-{mode}-{broken or 'ok'}"
     micro = mode == "micro"
     sizes = [8, 8] if broken == "equal" else [M, B - M] if micro else [3, B - 3]
     bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0)
@@ -115,13 +119,20 @@ def main(out: str, strategy: str, mode: str, broken: str) -> int:
                         callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
-    try:
-        trainer.fit((Micro if mode == "micro" else Module)(bal, out, strategy, mode, broken), loader)
-    except (ValueError, hetero.HeteroError) as e:
-        print(str(e).splitlines()[0], file=sys.stderr)
-        return 2
+    trainer.fit((Micro if mode == "micro" else Module)(bal, out, strategy, mode, broken), loader)
+
+
+def main(out: str, *cases: str) -> int:
+    torch.set_num_threads(1)
+    for case in cases:
+        strategy, mode, broken = (case.split(":") + [""])[:3]
+        try:
+            fit(out, strategy, mode, broken)
+        except (ValueError, hetero.HeteroError) as e:
+            print(str(e).splitlines()[0], file=sys.stderr)
+            return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:4], sys.argv[4] if len(sys.argv) > 4 else ""))
+    sys.exit(main(*sys.argv[1:]))

@@ -1,7 +1,9 @@
 """The library as users misuse it: ranks whose Balances disagree, a loop counting its own micro-batches, an optimizer
 step on gradients that were not all-reduced, a step without attach, a loader peeked at, bad arguments. Each stops
 every rank with the same one line (never a socket error, a hang or a silently wrong run). Two-rank cases run as gloo
-processes started by torch.multiprocessing.spawn; each rank writes what it saw to a JSON file.
+processes started by torch.multiprocessing.spawn; each rank writes what it saw to a JSON file. Three launches: the
+disagreeing Balances, a rank leaving an epoch early (it waits out the group's timeout), and every other case in turn
+in the same two processes (MANY, at the end), each on a process group of its own.
 Here the cases that launch processes; those in one process: tests/unit/test_misuse.py."""
 from __future__ import annotations
 
@@ -17,9 +19,13 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
+import hetero.core.probe
 import hetero.core.settle
+from hetero.lab.launch import free_port
 
 from helpers import Indexed, max_diff, sgd_step, spawned
+
+PROBE = hetero.core.probe.probe_max_batch
 
 
 def _spawn(fn, tmp_path, *args, world: int = 2) -> list[dict]:
@@ -143,8 +149,8 @@ def _limited_worker(rank: int, out: str) -> None:
     _write(out, rank, {"steps": bal.position.global_step})
 
 
-def test_every_rank_leaving_early_alike_is_a_valid_run(tmp_path):
-    assert [r["steps"] for r in _spawn(_limited_worker, tmp_path)] == [12, 12]
+def test_every_rank_leaving_early_alike_is_a_valid_run(cases):
+    assert [r["steps"] for r in cases["limited"]] == [12, 12]
 
 
 @pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
@@ -186,16 +192,16 @@ def _nanogpt_worker(rank: int, out: str, fixed: int) -> None:
     _write(out, rank, result)
 
 
-def test_a_fixed_accumulation_loop_with_unequal_counts_stops_every_rank_before_a_wrong_step(tmp_path):
-    r = _spawn(_nanogpt_worker, tmp_path, 2)
+def test_a_fixed_accumulation_loop_with_unequal_counts_stops_every_rank_before_a_wrong_step(cases):
+    r = cases["fixed_count"]
     assert r[0]["error"] == r[1]["error"], r          # one line on both ranks, not "Connection closed by peer"
     assert r[0]["error"].startswith("hetero: rank 1 stepped its optimizer after 2 of its 3 micro-batches")
     assert "bal.micro_batches" in r[0]["error"]
     assert not r[0]["stepped"] and not r[1]["stepped"]  # no optimizer step on gradients that were not all-reduced
 
 
-def test_a_loop_running_bal_micro_batches_is_exact(tmp_path):
-    r = _spawn(_nanogpt_worker, tmp_path, 0)
+def test_a_loop_running_bal_micro_batches_is_exact(cases):
+    r = cases["own_counts"]
     x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
     y = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2))
     model = _net()
@@ -225,9 +231,8 @@ def _extra_steps_worker(rank: int, out: str) -> None:
     _write(out, rank, result)
 
 
-@pytest.mark.slow  # a launch of about 10 s: the slow tier keeps make test near 5 minutes
-def test_two_steps_of_the_schedule_in_one_optimizer_step_are_refused_on_every_rank(tmp_path):
-    r = _spawn(_extra_steps_worker, tmp_path)
+def test_two_steps_of_the_schedule_in_one_optimizer_step_are_refused_on_every_rank(cases):
+    r = cases["extra_steps"]
     assert r[0]["error"].startswith("hetero: rank 0 ran 2 steps of the schedule")
     assert r[1]["error"].startswith("hetero: rank 1 ran 2 steps of the schedule")
 
@@ -248,8 +253,8 @@ def _no_attach_worker(rank: int, out: str) -> None:
     _write(out, rank, result)
 
 
-def test_a_step_without_attach_is_refused(tmp_path):
-    r = _spawn(_no_attach_worker, tmp_path)
+def test_a_step_without_attach_is_refused(cases):
+    r = cases["no_attach"]
     assert r[0]["error"] == r[1]["error"] and "call bal.attach(ddp) before the first step" in r[0]["error"]
 
 
@@ -273,8 +278,8 @@ def _guess_worker(rank: int, out: str) -> None:
     _write(out, rank, result)
 
 
-def test_a_balance_on_a_wrong_rank_is_refused_at_attach_on_every_rank(tmp_path):
-    r = _spawn(_guess_worker, tmp_path)
+def test_a_balance_on_a_wrong_rank_is_refused_at_attach_on_every_rank(cases):
+    r = cases["guess"]
     assert "WORLD_SIZE is set but neither RANK nor a process group" in r[0]["build"]
     assert r[0]["error"] == r[1]["error"]
     assert r[0]["error"].startswith("hetero: at attach, rank 0 of the process group's 2 holds a Balance for rank 0 "
@@ -296,20 +301,57 @@ def _probe_worker(rank: int, out: str, case: str) -> None:
         result["limits"] = [None if v == float("inf") else v for v in limits]
     except hetero.HeteroError as e:
         result["error"] = str(e)
+    finally:
+        hetero.core.probe.probe_max_batch = PROBE  # the next case in this process probes for real
     _write(out, rank, result)
 
 
 @pytest.mark.parametrize("case, line", [
     ("fails", "hetero: the largest-batch probe failed on rank 1: not even 1 sample fits on cuda:0"),
     ("shared", 'hetero: max_batch "probe" needs a GPU of its own per rank: ranks 0, 1 share cpu on ')])
-def test_a_probe_failing_on_one_rank_stops_every_rank_with_its_line(tmp_path, case, line):
-    r = _spawn(_probe_worker, tmp_path, case)      # returns at all: no rank left waiting in the gather
+def test_a_probe_failing_on_one_rank_stops_every_rank_with_its_line(cases, case, line):
+    r = cases[f"probe_{case}"]                     # returned at all: no rank left waiting in the gather
     assert r[0]["error"] == r[1]["error"], r       # the same line on every rank
     assert r[0]["error"].startswith(line), r
     assert r[0]["limits"] is None and r[1]["limits"] is None
 
 
-def test_a_probe_on_cpu_ranks_answers_no_limit_on_every_rank(tmp_path):
-    r = _spawn(_probe_worker, tmp_path, "cpu")
+def test_a_probe_on_cpu_ranks_answers_no_limit_on_every_rank(cases):
+    r = cases["probe_cpu"]
     assert r[0] == r[1] == {"error": "", "limits": [None, None]}
 
+
+# -- every case above that needs no launch of its own, in one -----------------------------------------------------
+MANY = {  # name: (worker, its arguments); each case in the same two processes, with a process group of its own
+    "limited": (_limited_worker, ()),
+    "own_counts": (_nanogpt_worker, (0,)),  # before any refusal: it checks that every callback of the process is freed
+    "fixed_count": (_nanogpt_worker, (2,)),
+    "extra_steps": (_extra_steps_worker, ()),
+    "no_attach": (_no_attach_worker, ()),
+    "guess": (_guess_worker, ()),
+    "probe_fails": (_probe_worker, ("fails",)),
+    "probe_shared": (_probe_worker, ("shared",)),
+    "probe_cpu": (_probe_worker, ("cpu",)),
+}
+
+
+def _many_worker(rank: int, out: str, ports: list[int]) -> None:
+    """Every case of MANY in turn, each on a port of its own (its worker forms the group and destroys it), writing
+    OUT/NAME/rankR.json; then OUT/rankR.json, every case's result by name."""
+    results = {}
+    for (name, (worker, args)), port in zip(MANY.items(), ports):
+        os.environ["MASTER_PORT"] = str(port)
+        folder = os.path.join(out, name)
+        os.makedirs(folder, exist_ok=True)
+        worker(rank, folder, *args)
+        with open(os.path.join(folder, f"rank{rank}.json")) as f:
+            results[name] = json.load(f)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, list[dict]]:
+    """The ranks' results of every case in MANY, by name: one launch."""
+    ranks = _spawn(_many_worker, tmp_path_factory.mktemp("many"), [free_port() for _ in MANY])
+    return {name: [rank[name] for rank in ranks] for name in MANY}

@@ -60,7 +60,7 @@ def main(args) -> int:
         return 2
     try:
         bal = hetero.Balance(scheme=args.scheme, global_batch=args.global_batch, rebalance_every=args.rebalance_every,
-                             seed=args.seed)
+                             seed=args.seed, min_batch=2)  # batch norm cannot train on 1 sample (1x1 maps at 32 px)
         bal.emulate(args.hetero)
     except ValueError as e:
         print(f"hetero: error: {e}", file=sys.stderr)

@@ -100,7 +100,7 @@ def test_lightning_logs_the_hetero_scalars_through_its_logger(tmp_path):
     assert len(csvs) == 1, csvs  # rank 0 only
     m = pd.read_csv(csvs[0])
     rows = m.dropna(subset=["hetero/rank0/share"])
-    # batch norm needs 2 samples a rank: 32 per step keeps the slow rank's share (about a quarter) well above
+    # batch norm needs 2 samples a rank: the example's min_batch=2, however far a busy host moves the shares
     assert len(rows) >= 4 and np.allclose(rows["hetero/rank0/share"] + rows["hetero/rank1/share"], 1)
     assert rows["hetero/rank1/share"].iloc[-1] < 0.5
     assert rows["hetero/decisions"].max() == 4  # 4 steps per epoch, a decision every 2 steps, 2 epochs

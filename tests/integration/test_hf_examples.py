@@ -1,11 +1,11 @@
 """The Hugging Face examples under torchrun on 2 CPU ranks (gloo), a tiny GPT-2 on the characters of
 docs/huggingface.md (the page of these examples; they need 12,288 characters, docs/trainer.md lacks them), rank 1
-emulated 3x slower plus 0.1 s a step and rebalancing every 5 steps (the Trainer's with 2 DataLoader workers): every sample of each
-epoch is consumed exactly once across the ranks, the slow rank's share falls well below a half, and the loss falls
-as the same script's without hetero. A Trainer run stopped after a save_steps checkpoint resumes with hetero's
-sizes and coverage intact; with --grad-accum 4 the slow rank runs fewer micro-batches and the loss falls as the plain
-Trainer's with the same B and G; the ported run_clm.py accumulates per rank and learns. (The exact gradient in both
-loss conventions is proved in test_hf.py, test_hf_accumulation.py and test_hf_fsdp.py.)"""
+emulated 3x slower plus 0.1 s a step and rebalancing every 5 steps (the Trainer's with 2 DataLoader workers):
+every sample of each epoch is consumed exactly once across the ranks, the slow rank's share falls well below a half,
+and the loss falls as the same script's without hetero. A Trainer run stopped after a save_steps checkpoint resumes
+with hetero's sizes and coverage intact; with --grad-accum 4 the slow rank runs fewer micro-batches and the loss
+falls as the plain Trainer's with the same B and G; the ported run_clm.py accumulates per rank and learns. (The
+exact gradient in both loss conventions is proved in test_hf.py, test_hf_accumulation.py and test_hf_fsdp.py.)"""
 from __future__ import annotations
 
 import json

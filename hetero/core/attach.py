@@ -3,8 +3,9 @@
 - bind: the engine and its plan for one rank of a world, once (a second bind must name the same world).
 
 - attach: a DDP model gets the weighting communication hook (hook.py); an FSDP2 root gets its weighted
-  reduce-scatter (fsdp.py); either gets the forward counter and the optimizer guard (guard.py). Collective: the
-  ranks compare their settings and gather their worker identities.
+  reduce-scatter (fsdp.py); a DeepSpeed engine gets its door (deepspeed.py: weighted outputs, one reduction); each
+  gets the forward counter and the optimizer guard (guard.py). Collective: the ranks compare their settings and
+  gather their worker identities.
 - plug: the emulated slow ranks (emulator.py) and recorded sizes (a replay) go into the engine and its plan,
   before attach only.
 """
@@ -49,15 +50,18 @@ def attach(e: Engine, model: torch.nn.Module, probed: bool) -> OptimizerGuard:
                           "for another model")
     if any(e.plan.schedule.probes) and not probed:
         raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
-    from . import fsdp  # torch only; refuses FSDP1, DDP around FSDP2, a non-root, ...
+    from . import deepspeed, fsdp  # torch only (deepspeed is imported only for one of its engines)
 
-    schedule = None
-    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, e.plan.world):
-        schedule = fsdp.attach(e, model)
-    e.connect(model, schedule)
-    if schedule is None:
+    schedule = door = None
+    if deepspeed.is_engine(model):  # its door weights the outputs and owns the step's one reduction
+        door = deepspeed.attach(e, model)
+    elif not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, e.plan.world):
+        schedule = fsdp.attach(e, model)  # refuses FSDP1, DDP around FSDP2, a non-root, ... in one line
+    e.connect(model, schedule, door)
+    if schedule is None and door is None:
         model.register_comm_hook(e, balance_hook)
-    model.register_forward_pre_hook(e.count_forward)
+    # a DeepSpeed engine's own `training` never changes (its train() and eval() set its module's): count there
+    (model.module if door is not None else model).register_forward_pre_hook(e.count_forward)
     return OptimizerGuard(e, model)
 
 

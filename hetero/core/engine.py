@@ -97,12 +97,13 @@ class Engine:
         self._step: Step | None = None  # the step running now
 
     # -- set-up and epochs -----------------------------------------------------------------------------------
-    def connect(self, model: torch.nn.Module, fsdp=None) -> None:
-        """attach's one write (collective): the model (a DDP model, or an FSDP2 root with its schedule), its device
-        and the collectives'; the ranks compare their settings and gather their worker identities."""
+    def connect(self, model: torch.nn.Module, fsdp=None, ds=None) -> None:
+        """attach's one write (collective): the model (a DDP model, an FSDP2 root with its schedule, or a DeepSpeed
+        engine with its door), its device and the collectives'; the ranks compare their settings and gather their
+        worker identities."""
         link = self.link
         settle.collectives()  # this process runs collectives: its exit waits for gloo's threads (settle.py)
-        link.fsdp, link.device = fsdp, next(model.parameters()).device
+        link.fsdp, link.ds, link.device = fsdp, ds, next(model.parameters()).device
         link.coll = link.device if dist.get_backend() == "nccl" else torch.device("cpu")
         self._agree("attach")
         self.plan.identities = gather_identities(self.plan.settings.worker_id, link.device, link.coll)
@@ -174,6 +175,9 @@ class Engine:
         if link.fsdp is not None and s.micro_batch and not from_loader:
             raise HeteroError("hetero: FSDP2 with micro_batch runs each micro-batch in `with bal.step():` (its "
                               "schedule keeps every rank's collectives equal); begin_step by hand cannot")
+        if link.ds is not None and not from_loader:
+            raise HeteroError("hetero: a DeepSpeed engine runs each micro-batch in `with bal.step():` (where its "
+                              "engine.step() reduces the step's gradients); begin_step by hand cannot")
         if index >= (spe or ENDLESS):
             _stop(f"hetero: epoch {epoch} has run all its {spe} steps: call bal.set_epoch(epoch) before each epoch")
         if from_loader and spe and not sched.handed_out(epoch, index):
@@ -242,8 +246,13 @@ class Engine:
         try:
             if link.fsdp is not None:  # FSDP2: no no_sync; its own schedule (the same collectives on every rank)
                 link.fsdp.begin(first=s.left == s.expected, sync=link.sync_now)
-            with nullcontext() if link.sync_now or link.fsdp is not None else link.model.no_sync():
+            if link.ds is not None:  # DeepSpeed: the step's backwards stay local until its door's finish
+                link.ds.begin(first=s.left == s.expected)
+            local = link.sync_now or link.fsdp is not None or link.ds is not None  # DDP's no_sync, or the door's own
+            with nullcontext() if local else link.model.no_sync():
                 yield
+            if link.ds is not None and link.sync_now:
+                link.ds.finished()  # the loop's engine.step() reduced and stepped
         except HeteroError:
             raise
         except Exception as e:  # noqa: BLE001 - a backward's collective failed: a peer's posted reason, if any

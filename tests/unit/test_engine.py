@@ -66,11 +66,21 @@ class FakeFSDP:
         self.calls.append((first, sync))
 
 
+class FakeDoor:
+    """A DeepSpeed engine's door as the engine drives it (deepspeed.py's DeepSpeedDoor): begin and finished."""
+
+    def begin(self, first: bool) -> None:
+        pass
+
+    def finished(self) -> None:
+        pass
+
+
 class Rig:
     """Rank `rank` of `world`: a Balance, its engine attached to a Net as attach would, an SGD with the guard."""
 
     def __init__(self, monkeypatch, rank: int = 0, world: int = 2, attach: bool = True, fsdp: bool = False,
-                 sampler: bool = True, ran: list[float] | None = None, **kw):
+                 ds: bool = False, sampler: bool = True, ran: list[float] | None = None, **kw):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", str(world))
         kw = {"global_batch": B, "scheme": "dp", **kw}
@@ -91,6 +101,7 @@ class Rig:
             link = e.link
             link.model, link.device, link.coll = self.model, torch.device("cpu"), torch.device("cpu")
             link.fsdp = FakeFSDP() if fsdp else None
+            link.ds = FakeDoor() if ds else None
             self.model.register_forward_pre_hook(e.count_forward)
             self.model.lin.weight.register_post_accumulate_grad_hook(self._ready)
             self.guard = OptimizerGuard(e, self.model)
@@ -269,7 +280,7 @@ def _not_attached(r: Rig, door) -> None:
     (door or door_step)(r)
 
 
-def _fsdp_by_hand(r: Rig, door) -> None:
+def _by_hand(r: Rig, door) -> None:
     r.bal.set_epoch(0)
     r.bal.begin_step()
 
@@ -336,7 +347,8 @@ SINGLE = [  # (id, rig settings, mistake, the line's words)
     ("no_epochs_no_rebalance_every", {"sampler": False}, _no_epochs, "set rebalance_every > 0"),
     ("set_epoch_without_a_length", {"sampler": False}, _set_epoch_without_length, "without an epoch length"),
     ("micro_batch_before_attach", {"attach": False, "micro_batch": M}, _not_attached, "attach the model first"),
-    ("fsdp_micro_batches_by_hand", {"fsdp": True, "micro_batch": M}, _fsdp_by_hand, "FSDP2 with micro_batch runs"),
+    ("fsdp_micro_batches_by_hand", {"fsdp": True, "micro_batch": M}, _by_hand, "FSDP2 with micro_batch runs"),
+    ("deepspeed_by_hand", {"ds": True}, _by_hand, "a DeepSpeed engine runs each micro-batch in `with bal.step():`"),
     ("backward_between_steps", {}, _backward_between_steps, "a backward ran outside `with bal.step()`"),
     ("set_weight_between_steps", {}, _weight_between_steps, "a backward ran outside `with bal.step()`"),
     ("peer_failed_at_end", {}, _peer_failed_at_end, "rank 1 stopped: its own line"),

@@ -1,0 +1,108 @@
+"""The DeepSpeed door (hetero.core.deepspeed): `bal.attach(engine)` on the engine deepspeed.initialize returns, ZeRO
+0-3 on 2 CPU ranks (gloo, DS_ACCELERATOR=cpu), against one DeepSpeed process on the union of every step's samples
+(the same config, world 1), after one and after three steps. One torchrun launch runs every exactness case, the
+clock cases and the refusals at attach (tests/scripts/deepspeed_exact.py); one single-process launch runs their
+references; a refusal inside a step ends its launch, so each has its own."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from hetero.lab.launch import clean_env
+
+from helpers import ROOT, bounded
+
+pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
+pytestmark = pytest.mark.slow  # three launches of about 10-20 s, and four refusals of about 8 s each
+SCRIPT = str(ROOT / "tests" / "scripts" / "deepspeed_exact.py")
+
+EXACT = [f"{stage}:{mode}:sgd" for stage in range(4) for mode in ("micro", "batch")] + [
+    "0:batch:adamw", "1:micro:adamw", "2:micro:adamw", "3:micro:adamw"]
+BROKEN = ["1:micro:sgd:double", "2:batch:sgd:remove", "3:micro:sgd:double"]  # each must miss the reference
+CLOCK = ["0:clock:sgd", "2:clock:sgd", "3:clock:sgd"]
+AT_ATTACH = ["1:batch:sgd:gas", "2:micro:sgd:data"]
+
+
+def _torchrun(nproc: int, out, *args: str):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--log-dir={os.devnull}", SCRIPT, str(out), *args]
+    env = {**clean_env(threads="1"), "DS_ACCELERATOR": "cpu"}
+    return bounded(cmd, env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case's ranks and reference records: {case: (rank 0, rank 1, reference or None)}."""
+    out = tmp_path_factory.mktemp("deepspeed") / "rec"
+    cases = EXACT + BROKEN + CLOCK + AT_ATTACH
+    p = _torchrun(2, out, *cases)
+    assert p.returncode == 0, p.stderr[-6000:]
+    trained = EXACT + BROKEN + CLOCK
+    p = _torchrun(1, out, "--ref", *trained)
+    assert p.returncode == 0, p.stderr[-6000:]
+
+    def read(case, who):
+        return json.loads(out.with_name(f"rec.{case.replace(':', '-')}.{who}.json").read_text())
+    return {c: (read(c, "rank0"), read(c, "rank1"), read(c, "ref") if c in trained else None) for c in cases}
+
+
+def _off(rank: dict, ref: dict) -> float:
+    return max(float(np.abs(np.array(a) - np.array(b)).max()) for a, b in zip(rank["params"], ref["params"]))
+
+
+@pytest.mark.parametrize("case", EXACT)
+def test_every_zero_stage_is_one_deepspeed_process_on_the_union_after_one_and_three_steps(runs, case):
+    """Unequal work (sizes [3, 13], or micro-batches of 4 with counts [1, 3]): both ranks' parameters equal the
+    single-process DeepSpeed run on each step's union, after step 1 and step 3, and are the same on both ranks."""
+    r0, r1, ref = runs[case]
+    assert r0["params"] == r1["params"], "the replicas drifted apart"
+    assert _off(r0, ref) < 1e-6
+    union = [sorted(a + b) for a, b in zip(r0["steps"], r1["steps"])]
+    assert all(len(u) == len(set(u)) == 16 for u in union)                      # every step: 16 samples, once each
+    mode = case.split(":")[1]
+    assert [len(s) for s in r0["steps"]] == [4 if mode == "micro" else 3] * 3   # the unequal split really ran
+    assert r0["ds_global_steps"] == 3 and r0["ds_global_samples"] == 48         # train_batch_size 16: true counts
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_negative_controls_miss_the_reference(runs, case):
+    """A doubled weight on one rank, or the mean of the ranks' means (no b_i/B): the same harness sees the error."""
+    r0, r1, ref = runs[case]
+    assert _off(r0, ref) > 1e-3
+
+
+@pytest.mark.parametrize("case", CLOCK)
+def test_the_clock_counts_a_slow_ranks_delay_as_its_compute_and_as_the_others_wait(runs, case):
+    """Rank 1 sleeps 1 s a step where its gradients are ready: its compute holds the second, rank 0's wait in the
+    one reduction holds it, and rank 0's compute does not (ZeRO-3's gathers do not hide it either)."""
+    r0, r1, _ = runs[case]
+    for fast, slow in zip(r0["clock"], r1["clock"]):
+        assert slow["delay_s"] >= 1.0 and slow["compute_s"] >= 1.0
+        assert fast["delay_s"] == 0 and fast["wait_s"] > 0.5 and fast["compute_s"] < 0.5
+
+
+@pytest.mark.parametrize("case, line", [
+    ("1:batch:sgd:gas", "DeepSpeed's gradient_accumulation_steps is 2: hetero decides each rank's micro-batches"),
+    ("2:micro:sgd:data", "deepspeed.initialize was given training_data: hetero's sampler feeds the engine")])
+def test_configs_hetero_cannot_weight_are_refused_at_attach_on_every_rank(runs, case, line):
+    r0, r1, _ = runs[case]
+    assert r0["refused"] == r1["refused"] and r0["refused"].startswith(line)
+
+
+@pytest.mark.parametrize("case, line", [
+    ("2:micro:sgd:twice", "hetero: engine.step() ran twice in step 0 of epoch 0 on rank "),
+    ("0:micro:sgd:outside", "hetero: engine.step() ran outside `with bal.step()`: call it inside"),
+    ("3:batch:sgd:missing", "hetero: step 0 of epoch 0 ended on rank "),
+    ("3:micro:sgd:early", "hetero: engine.step() ran before engine.backward(loss) in step 0 of epoch 0 on rank 0")])
+def test_a_loop_that_steps_the_engine_wrongly_stops_every_rank_with_one_line(tmp_path, case, line):
+    """Twice in a step, after the block, never, or before the backward (under ZeRO-3 rank 1's gathers then fail:
+    it says rank 0's line): every rank stops with hetero's line, none with DeepSpeed's assertion or a hang."""
+    p = _torchrun(2, tmp_path / "rec", case)
+    assert p.returncode != 0
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: ")]
+    assert len(said) == 2 and all(ln.startswith(line) for ln in said), p.stderr[-4000:]
+    assert "]: Traceback" not in p.stderr and "AssertionError" not in p.stderr  # no rank's traceback

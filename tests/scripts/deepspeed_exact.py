@@ -1,0 +1,150 @@
+"""Three optimizer steps of a DeepSpeed engine with unequal per-rank work, and the same steps in one DeepSpeed process
+on the union of their samples.
+
+    torchrun --nproc-per-node 2 deepspeed_exact.py OUT CASE [CASE ...]       # hetero's ranks
+    torchrun --nproc-per-node 1 deepspeed_exact.py OUT --ref CASE [CASE ...]  # the reference, from their records
+
+CASE is STAGE:MODE:OPT[:BREAK], every case an engine of its own in the same processes (one launch, many checks):
+STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), batch (no micro_batch, sizes [3, 13])
+or clock (even sizes, rank 1 emulated 1 s slower a step). OPT: sgd or adamw.
+BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means);
+refusals at attach, recorded as {"refused": line} (the launch goes on): gas (gradient_accumulation_steps 2), data
+(deepspeed.initialize given training_data); refusals in a step, a line on stderr and exit status 2 (they end the
+launch): twice (engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before
+the backward).
+Each rank writes OUT.CASE.rankR.json (CASE with "-" for ":"): every step's sample indices, the parameters after the
+first and third steps (gathered under ZeRO-3), and every step's clock; the reference writes OUT.CASE.ref.json.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed  # noqa: E402
+import deepspeed.ops  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils.data import DataLoader, Dataset  # noqa: E402
+
+import hetero  # noqa: E402
+
+N, B, M, STEPS = 64, 16, 4, 3  # 4 steps per epoch of the global batch 16; three are trained
+# ZeRO-3 partitions every parameter (none kept whole for being small): each forward and backward gathers them
+PARTITIONED = {"stage3_param_persistence_threshold": 0, "stage3_model_persistence_threshold": 0}
+X = torch.randn(N, 8, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(2))
+
+
+class Indexed(Dataset):
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return X[i], Y[i], i
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def engine_for(stage: int, opt: str, world: int, broken: str = ""):
+    model = net()
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.5) if opt == "sgd" else
+                 torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1))
+    config = {"train_micro_batch_size_per_gpu": B // world, "gradient_accumulation_steps": 2 if broken == "gas" else 1,
+              "zero_optimization": {"stage": stage, **PARTITIONED}, "gradient_clipping": 0.0,
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    if broken == "gas":
+        config["train_micro_batch_size_per_gpu"] //= 2
+    data = Indexed() if broken == "data" else None
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, training_data=data)
+    return engine
+
+
+def params(engine) -> list[float]:
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):  # a no-op below ZeRO-3
+        return torch.cat([p.detach().flatten() for p in engine.module.parameters()]).tolist()
+
+
+def run(out: str, case: str) -> None:
+    stage, mode, opt, broken = (case.split(":") + [""])[:4]
+    stage, micro = int(stage), mode == "micro"
+    sizes = [B // 2] * 2 if mode == "clock" else [M, B - M] if micro else [3, B - 3]
+    bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0)
+    bal.replay({0: np.array([sizes] * (N // B))})
+    if mode == "clock":
+        bal.emulate("1:delay=1.0")
+    engine = engine_for(stage, opt, bal.world, broken)
+    name = case.replace(":", "-")
+    try:
+        bal.attach(engine)
+    except ValueError as e:  # refused at attach, on every rank alike and before any collective: the launch goes on
+        with open(f"{out}.{name}.rank{bal.rank}.json", "w") as f:
+            json.dump({"refused": str(e)}, f)
+        return
+    loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
+    bal.set_epoch(0)
+    steps, after = [[] for _ in range(STEPS)], {}
+    for x, y, idx in loader:
+        at = bal.position.step
+        if at == STEPS:
+            break
+        steps[at] += idx.tolist()
+        with bal.step():
+            if broken == "double" and bal.rank == 0:
+                bal.set_weight(2 * bal.engine.running().weight)
+            loss = F.cross_entropy(engine(x), y)
+            if broken == "early":
+                engine.step()
+            engine.backward(loss)
+            if broken != "missing":
+                engine.step()
+            if broken == "twice":
+                engine.step()
+        if broken == "outside":
+            engine.step()
+        if bal.position.step in (1, STEPS) and bal.position.step != at:
+            after[bal.position.step] = params(engine)
+    clock = [{"compute_s": r.compute_s, "wait_s": r.wait_s, "delay_s": r.delay_s} for r in bal.epoch_records()]
+    with open(f"{out}.{name}.rank{bal.rank}.json", "w") as f:
+        json.dump({"steps": steps, "params": [after[1], after[STEPS]], "clock": clock,
+                   "ds_global_steps": engine.global_steps, "ds_global_samples": engine.global_samples}, f)
+
+
+def reference(out: str, case: str) -> None:
+    """One DeepSpeed process, the same config, each step on the union of the ranks' samples (a mean over B)."""
+    stage, _, opt = case.split(":")[:3]
+    name = case.replace(":", "-")
+    ranks = [json.load(open(f"{out}.{name}.rank{r}.json")) for r in range(2)]
+    engine, after = engine_for(int(stage), opt, 1), []
+    for step in range(STEPS):
+        union = sorted(ranks[0]["steps"][step] + ranks[1]["steps"][step])
+        engine.backward(F.cross_entropy(engine(X[union]), Y[union]))
+        engine.step()
+        if step + 1 in (1, STEPS):
+            after.append(params(engine))
+    with open(f"{out}.{name}.ref.json", "w") as f:
+        json.dump({"params": after}, f)
+
+
+def main(out: str, *cases: str) -> int:
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # inference's op: no compile (docs/deepspeed.md)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    if cases[0] == "--ref":
+        for case in cases[1:]:
+            reference(out, case)
+        return 0
+    for case in cases:
+        try:
+            run(out, case)
+        except hetero.HeteroError as e:
+            print(str(e).splitlines()[0], file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:]))

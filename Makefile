@@ -80,6 +80,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name hetero --display-name "Python (hetero)" >/dev/null
+	@# DeepSpeed's first init_distributed compiles its CPU communication op (25-65 s here): once, now, not in a test
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; \
+		B().load(verbose=False)" >/dev/null 2>&1 || echo "note: DeepSpeed's CPU op did not build (no compiler?)"
 	touch $@
 
 $(KERNEL): | $(STAMP)  # a venv installed before the kernel moved into it (order-only: no reinstall)

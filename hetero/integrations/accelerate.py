@@ -49,8 +49,9 @@ def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
     Collective (attach): call it on every rank.
 
     Raises:
-        ValueError: in one line: a DataLoader among the objects, gradient_accumulation_steps other than 1, not
-            exactly one model, or several CPU ranks without Accelerator(cpu=True) (accelerate would wrap no DDP).
+        ValueError: in one line: a DataLoader among the objects, gradient_accumulation_steps other than 1,
+            Accelerate's DeepSpeed plugin, not exactly one model, or several CPU ranks without Accelerator(cpu=True)
+            (accelerate would wrap no DDP).
     """
     if not isinstance(balance, Balance):
         raise TypeError(f"hetero: prepare(accelerator, balance, ...) takes a hetero.Balance, not "
@@ -63,6 +64,9 @@ def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
                          f"rank (and accelerator.backward divides by it): keep it 1 and accumulate per rank with "
                          f"Balance(micro_batch=m), each micro-batch in `with bal.step():`, stepping the optimizer "
                          f"where bal.sync_now")
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        raise ValueError("hetero: Accelerate's DeepSpeed plugin is not supported yet: build the engine with "
+                         "deepspeed.initialize and attach it, bal.attach(engine) (docs/deepspeed.md)")
     if (n := sum(isinstance(o, torch.nn.Module) for o in objects)) != 1:
         raise ValueError(f"hetero: prepare takes exactly one model ({n} given): the one whose gradient hetero weights")
     if accelerator.distributed_type == DistributedType.NO and balance.world > 1:

@@ -19,17 +19,19 @@ from helpers import ROOT, bounded
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 pytestmark = pytest.mark.slow  # three launches of about 10-20 s, and four refusals of about 8 s each
 SCRIPT = str(ROOT / "tests" / "scripts" / "deepspeed_exact.py")
+EXAMPLES = ROOT / "examples"
 
 EXACT = [f"{stage}:{mode}:sgd" for stage in range(4) for mode in ("micro", "batch")] + [
     "0:batch:adamw", "1:micro:adamw", "2:micro:adamw", "3:micro:adamw"]
 BROKEN = ["1:micro:sgd:double", "2:batch:sgd:remove", "3:micro:sgd:double"]  # each must miss the reference
 CLOCK = ["0:clock:sgd", "2:clock:sgd", "3:clock:sgd"]
 AT_ATTACH = ["1:batch:sgd:gas", "2:micro:sgd:data"]
+RESUMED = ["0:resume:sgd", "2:resume:adamw", "3:resume:sgd"]
 
 
-def _torchrun(nproc: int, out, *args: str):
+def _torchrun(nproc: int, *args: str, script: str = SCRIPT):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           f"--log-dir={os.devnull}", SCRIPT, str(out), *args]
+           f"--log-dir={os.devnull}", script, *map(str, args)]
     env = {**clean_env(threads="1"), "DS_ACCELERATOR": "cpu"}
     return bounded(cmd, env, timeout=600)
 
@@ -38,10 +40,10 @@ def _torchrun(nproc: int, out, *args: str):
 def runs(tmp_path_factory):
     """Every case's ranks and reference records: {case: (rank 0, rank 1, reference or None)}."""
     out = tmp_path_factory.mktemp("deepspeed") / "rec"
-    cases = EXACT + BROKEN + CLOCK + AT_ATTACH
+    cases = EXACT + BROKEN + CLOCK + AT_ATTACH + RESUMED
     p = _torchrun(2, out, *cases)
     assert p.returncode == 0, p.stderr[-6000:]
-    trained = EXACT + BROKEN + CLOCK
+    trained = EXACT + BROKEN + CLOCK + RESUMED
     p = _torchrun(1, out, "--ref", *trained)
     assert p.returncode == 0, p.stderr[-6000:]
 
@@ -66,6 +68,18 @@ def test_every_zero_stage_is_one_deepspeed_process_on_the_union_after_one_and_th
     mode = case.split(":")[1]
     assert [len(s) for s in r0["steps"]] == [4 if mode == "micro" else 3] * 3   # the unequal split really ran
     assert r0["ds_global_steps"] == 3 and r0["ds_global_samples"] == 48         # train_batch_size 16: true counts
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_run_resumed_from_a_deepspeed_checkpoint_goes_on_exactly_where_it_stopped(runs, case):
+    """Two steps, engine.save_checkpoint with hetero's state in client_state, a new engine and Balance that load it
+    and run the third step: the parameters equal the uninterrupted single-process run (AdamW's moments included),
+    and the epoch's three steps drew 48 different samples (the resumed sampler starts at step 2)."""
+    r0, r1, ref = runs[case]
+    assert r0["params"] == r1["params"] and _off(r0, ref) < 1e-6
+    drawn = [i for r in (r0, r1) for step in r["steps"] for i in step]
+    assert len(drawn) == len(set(drawn)) == 48
+    assert r0["ds_global_steps"] == 3
 
 
 @pytest.mark.parametrize("case", BROKEN)
@@ -106,3 +120,28 @@ def test_a_loop_that_steps_the_engine_wrongly_stops_every_rank_with_one_line(tmp
     said = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: ")]
     assert len(said) == 2 and all(ln.startswith(line) for ln in said), p.stderr[-4000:]
     assert "]: Traceback" not in p.stderr and "AssertionError" not in p.stderr  # no rank's traceback
+
+
+@pytest.mark.parametrize("args", [["--zero", "3", "--micro-batch", "4"], ["--zero", "0"]], ids=["zero3-micro", "zero0"])
+def test_the_example_covers_every_row_once_an_epoch_and_gives_the_slow_rank_less(tmp_path, args):
+    """examples/deepspeed_loop.py as the docs run it (a tiny GPT-2, rank 1 emulated 3x slower): every row once per
+    epoch over both ranks, and the decisions give rank 1 less than an even half (ZeRO-3's padded micro-batches
+    included: the ranks' gathers stay aligned, no hang)."""
+    rec = tmp_path / "rec"
+    p = _torchrun(2, "--record", str(rec), "--hetero", "1:slowdown=3", *args,
+                  script=str(EXAMPLES / "deepspeed_loop.py"))
+    assert p.returncode == 0, p.stderr[-6000:]
+    ranks = [json.loads(rec.with_name(f"rec.rank{r}.json").read_text()) for r in range(2)]
+    for epoch in ("0", "1"):
+        assert sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]) == list(range(320)), epoch
+    last = ranks[0]["decisions"][-1]["sizes"]
+    assert last == ranks[1]["decisions"][-1]["sizes"] and last[1] < last[0]
+
+
+def test_the_baseline_example_runs_plain_deepspeed(tmp_path):
+    """examples/deepspeed_loop_baseline.py, the diff's other side: a plain DeepSpeed loop, every row once an epoch."""
+    rec = tmp_path / "rec"
+    p = _torchrun(2, "--record", str(rec), "--epochs", "1", script=str(EXAMPLES / "deepspeed_loop_baseline.py"))
+    assert p.returncode == 0, p.stderr[-6000:]
+    ranks = [json.loads(rec.with_name(f"rec.rank{r}.json").read_text()) for r in range(2)]
+    assert sorted(ranks[0]["seen"]["0"] + ranks[1]["seen"]["0"]) == list(range(320))

@@ -5,8 +5,9 @@ on the union of their samples.
     torchrun --nproc-per-node 1 deepspeed_exact.py OUT --ref CASE [CASE ...]  # the reference, from their records
 
 CASE is STAGE:MODE:OPT[:BREAK], every case an engine of its own in the same processes (one launch, many checks):
-STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), batch (no micro_batch, sizes [3, 13])
-or clock (even sizes, rank 1 emulated 1 s slower a step). OPT: sgd or adamw.
+STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), batch (no micro_batch, sizes [3, 13]),
+clock (even sizes, rank 1 emulated 1 s slower a step) or resume (micro, and after two steps a DeepSpeed checkpoint
+with hetero's state in its client_state, loaded into a new engine and Balance that run the third). OPT: sgd or adamw.
 BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means);
 refusals at attach, recorded as {"refused": line} (the launch goes on): gas (gradient_accumulation_steps 2), data
 (deepspeed.initialize given training_data); refusals in a step, a line on stderr and exit status 2 (they end the
@@ -68,28 +69,24 @@ def params(engine) -> list[float]:
         return torch.cat([p.detach().flatten() for p in engine.module.parameters()]).tolist()
 
 
-def run(out: str, case: str) -> None:
-    stage, mode, opt, broken = (case.split(":") + [""])[:4]
-    stage, micro = int(stage), mode == "micro"
+def balance(mode: str, broken: str) -> hetero.Balance:
+    micro = mode in ("micro", "resume")
     sizes = [B // 2] * 2 if mode == "clock" else [M, B - M] if micro else [3, B - 3]
     bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0)
     bal.replay({0: np.array([sizes] * (N // B))})
     if mode == "clock":
         bal.emulate("1:delay=1.0")
-    engine = engine_for(stage, opt, bal.world, broken)
-    name = case.replace(":", "-")
-    try:
-        bal.attach(engine)
-    except ValueError as e:  # refused at attach, on every rank alike and before any collective: the launch goes on
-        with open(f"{out}.{name}.rank{bal.rank}.json", "w") as f:
-            json.dump({"refused": str(e)}, f)
-        return
+    return bal
+
+
+def train(bal: hetero.Balance, engine, steps: list, after: dict, upto: int, broken: str) -> None:
+    """The loop, from where the Balance is to step `upto` of epoch 0; every step's indices into `steps`, the
+    parameters after steps 1 and STEPS into `after`."""
     loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
     bal.set_epoch(0)
-    steps, after = [[] for _ in range(STEPS)], {}
     for x, y, idx in loader:
         at = bal.position.step
-        if at == STEPS:
+        if at == upto:
             break
         steps[at] += idx.tolist()
         with bal.step():
@@ -107,6 +104,28 @@ def run(out: str, case: str) -> None:
             engine.step()
         if bal.position.step in (1, STEPS) and bal.position.step != at:
             after[bal.position.step] = params(engine)
+
+
+def run(out: str, case: str) -> None:
+    stage, mode, opt, broken = (case.split(":") + [""])[:4]
+    stage, name = int(stage), case.replace(":", "-")
+    bal = balance(mode, broken)
+    engine = engine_for(stage, opt, bal.world, broken)
+    try:
+        bal.attach(engine)
+    except ValueError as e:  # refused at attach, on every rank alike and before any collective: the launch goes on
+        with open(f"{out}.{name}.rank{bal.rank}.json", "w") as f:
+            json.dump({"refused": str(e)}, f)
+        return
+    steps, after = [[] for _ in range(STEPS)], {}
+    if mode == "resume":  # two steps, a checkpoint with hetero's state in client_state, a new engine and Balance
+        train(bal, engine, steps, after, 2, broken)
+        engine.save_checkpoint(f"{out}.{name}.ckpt", client_state={"hetero": bal.state_dict()})
+        bal, engine = balance(mode, broken), engine_for(stage, opt, bal.world, broken)
+        bal.attach(engine)
+        _, client = engine.load_checkpoint(f"{out}.{name}.ckpt")
+        bal.load_state_dict(client["hetero"])
+    train(bal, engine, steps, after, STEPS, broken)
     clock = [{"compute_s": r.compute_s, "wait_s": r.wait_s, "delay_s": r.delay_s} for r in bal.epoch_records()]
     with open(f"{out}.{name}.rank{bal.rank}.json", "w") as f:
         json.dump({"steps": steps, "params": [after[1], after[STEPS]], "clock": clock,
@@ -140,8 +159,8 @@ def main(out: str, *cases: str) -> int:
     for case in cases:
         try:
             run(out, case)
-        except hetero.HeteroError as e:
-            print(str(e).splitlines()[0], file=sys.stderr)
+        except hetero.HeteroError as e:  # one write: the two ranks share the launcher's stderr
+            os.write(2, (str(e).splitlines()[0] + "\n").encode())
             return 2
     return 0
 

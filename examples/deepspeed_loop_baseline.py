@@ -1,0 +1,74 @@
+"""A tiny GPT-2 on local text in a plain DeepSpeed loop, ZeRO-2 (the baseline of deepspeed_loop.py: `diff`).
+
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node=2 examples/deepspeed_loop_baseline.py
+    deepspeed --num_gpus 2 examples/deepspeed_loop_baseline.py --text docs/huggingface.md
+"""
+import argparse
+import json
+import os
+import sys
+
+import deepspeed
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, os.path.dirname(__file__))
+from hf_trainer import CharText, tiny_gpt2  # noqa: E402  (the same local text and model as the Trainer example)
+
+
+def config(args, world: int) -> dict:
+    return {"train_batch_size": args.global_batch, "train_micro_batch_size_per_gpu": args.global_batch // world,
+            "gradient_accumulation_steps": 1, "zero_optimization": {"stage": args.zero},
+            "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0, "steps_per_print": 10**9}
+
+
+def main(args) -> int:
+    try:
+        with open(args.text) as f:
+            ds = CharText(f.read(), args.length, args.subset)
+    except (OSError, ValueError) as e:
+        print(f"hetero: error: --text {args.text}: {e}", file=sys.stderr)
+        return 2
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = tiny_gpt2(len(ds.vocab), args.length, args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    model_engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(args, world))
+    sampler = DistributedSampler(ds, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(ds, batch_size=args.global_batch // world, sampler=sampler, drop_last=True)
+    seen, losses = {}, []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        seen[epoch] = []
+        for batch in loader:
+            idx = batch.pop("idx")
+            batch = {k: v.to(model_engine.device) for k, v in batch.items()}
+            loss = model_engine(**batch).loss  # this rank's mean over its tokens
+            model_engine.backward(loss)
+            model_engine.step()
+            seen[epoch] += idx.tolist()
+            losses.append(loss.item())
+        if rank == 0:
+            print(f"epoch {epoch}: train loss {losses[-1]:.3f}", flush=True)
+    if args.record:
+        with open(f"{args.record}.rank{rank}.json", "w") as f:
+            json.dump({"rank": rank, "seen": seen, "losses": losses}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--text", default="docs/huggingface.md", help="a local text file: its characters are the tokens")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--length", type=int, default=32, help="characters per row")
+    p.add_argument("--subset", type=int, default=320, help="rows cut from the text")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zero", type=int, default=2, choices=range(4), help="ZeRO stage")
+    p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")
+    p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
+    code = main(p.parse_args())
+    sys.stdout.flush(), sys.stderr.flush()  # then os._exit, not sys.exit: a plain script's gloo threads can abort
+    os._exit(code)  # a finished run at interpreter shutdown (pytorch/pytorch#190489; hetero/core/settle.py)

@@ -1,0 +1,48 @@
+"""The DeepSpeed door's parts that need no engine (hetero/core/deepspeed.py), and the doors that refuse DeepSpeed.
+The door itself runs in tests/integration/test_deepspeed_launch.py (2 ranks, ZeRO 0-3, against one process)."""
+from __future__ import annotations
+
+from collections import namedtuple
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import hetero
+from hetero.core.deepspeed import _rows, _tensors, is_engine
+
+
+def test_a_padded_micro_batch_is_the_first_row_of_every_tensor_that_has_the_micro_batchs_rows():
+    """ZeRO-3's padding reruns the last micro-batch cut to one sample: tensors whose first dimension is m (4 here)
+    are cut in dicts, lists, tuples and named tuples alike; others (a mask of another size, a scalar, a string) pass."""
+    Pair = namedtuple("Pair", "a b")
+    batch = {"input_ids": torch.arange(8).view(4, 2), "mask": torch.ones(3, 4), "scale": torch.tensor(2.0),
+             "nested": [torch.zeros(4, 1), Pair(torch.ones(4), "name")]}
+    cut = _rows(batch, 4)
+    assert cut["input_ids"].tolist() == [[0, 1]] and cut["mask"].shape == (3, 4) and cut["scale"].item() == 2.0
+    assert cut["nested"][0].shape == (1, 1) and isinstance(cut["nested"][1], Pair)
+    assert cut["nested"][1].a.shape == (1,) and cut["nested"][1].b == "name"
+
+
+def test_the_padding_backpropagates_from_the_first_floating_output_with_a_gradient_path():
+    x = torch.ones(2, requires_grad=True)
+    out = {"loss": (x * 2).sum(), "ids": torch.arange(3), "logits": [x * 3], "frozen": torch.ones(2)}
+    found = _tensors(out)
+    assert len(found) == 2 and found[0] is out["loss"] and found[1] is out["logits"][0]
+
+
+def test_a_module_is_no_deepspeed_engine_and_needs_no_deepspeed_to_say_so():
+    assert not is_engine(torch.nn.Linear(2, 2))
+
+
+def test_accelerates_deepspeed_plugin_is_refused_in_one_line():
+    """Not built yet (#50): prepare says so and names the door that is, before accelerate prepares anything."""
+    pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
+    from accelerate.utils import DistributedType
+
+    from hetero.integrations.accelerate import prepare
+
+    accelerator = SimpleNamespace(gradient_accumulation_steps=1, distributed_type=DistributedType.DEEPSPEED)
+    with pytest.raises(ValueError, match=r"^hetero: Accelerate's DeepSpeed plugin is not supported yet: .*"
+                                         r"bal\.attach\(engine\) \(docs/deepspeed\.md\)$"):
+        prepare(accelerator, hetero.Balance(global_batch=8), torch.nn.Linear(2, 2))

@@ -62,7 +62,7 @@ def refusal(engine) -> str | None:
     """Why hetero cannot attach to this engine (one line), or None. The same on every rank (it reads the config)."""
     import deepspeed
 
-    version = f"DeepSpeed {deepspeed.__version__} (hetero was tested on {TESTED})"
+    version = f"DeepSpeed {deepspeed.__version__}, hetero tested on {TESTED}"
     if not hasattr(engine, "coalesce_grad_reduction"):
         return f"the DeepSpeed door needs engine.coalesce_grad_reduction (DeepSpeed >= {TESTED}); this is {version}"
     from deepspeed.runtime.pipe.engine import PipelineEngine

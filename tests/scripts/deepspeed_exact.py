@@ -9,10 +9,11 @@ STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), 
 clock (even sizes, rank 1 emulated 1 s slower a step) or resume (micro, and after two steps a DeepSpeed checkpoint
 with hetero's state in its client_state, loaded into a new engine and Balance that run the third). OPT: sgd or adamw.
 BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means);
-refusals at attach, recorded as {"refused": line} (the launch goes on): gas (gradient_accumulation_steps 2), data
-(deepspeed.initialize given training_data); refusals in a step, a line on stderr and exit status 2 (they end the
-launch): twice (engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before
-the backward).
+bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused). Refusals at attach are recorded as
+{"refused": line} and the launch goes on: gas (gradient_accumulation_steps 2), data (deepspeed.initialize given
+training_data), deepcompile, bf16 on ZeRO-0. Refusals in a step are a line on stderr and exit status 2, and end the
+launch: twice (engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before the
+backward).
 Each rank writes OUT.CASE.rankR.json (CASE with "-" for ":"): every step's sample indices, the parameters after the
 first and third steps (gathered under ZeRO-3), and every step's clock; the reference writes OUT.CASE.ref.json.
 """
@@ -59,6 +60,10 @@ def engine_for(stage: int, opt: str, world: int, broken: str = ""):
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     if broken == "gas":
         config["train_micro_batch_size_per_gpu"] //= 2
+    if broken == "bf16":
+        config["bf16"] = {"enabled": True}
+    if broken == "deepcompile":
+        config["compile"] = {"deepcompile": True}
     data = Indexed() if broken == "data" else None
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, training_data=data)
     return engine
@@ -83,6 +88,7 @@ def train(bal: hetero.Balance, engine, steps: list, after: dict, upto: int, brok
     """The loop, from where the Balance is to step `upto` of epoch 0; every step's indices into `steps`, the
     parameters after steps 1 and STEPS into `after`."""
     loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
+    dtype = next(engine.module.parameters()).dtype
     bal.set_epoch(0)
     for x, y, idx in loader:
         at = bal.position.step
@@ -92,7 +98,7 @@ def train(bal: hetero.Balance, engine, steps: list, after: dict, upto: int, brok
         with bal.step():
             if broken == "double" and bal.rank == 0:
                 bal.set_weight(2 * bal.engine.running().weight)
-            loss = F.cross_entropy(engine(x), y)
+            loss = F.cross_entropy(engine(x.to(dtype)), y)  # bf16: the engine casts the model, not the inputs
             if broken == "early":
                 engine.step()
             engine.backward(loss)
@@ -134,13 +140,14 @@ def run(out: str, case: str) -> None:
 
 def reference(out: str, case: str) -> None:
     """One DeepSpeed process, the same config, each step on the union of the ranks' samples (a mean over B)."""
-    stage, _, opt = case.split(":")[:3]
+    stage, _, opt, broken = (case.split(":") + [""])[:4]
     name = case.replace(":", "-")
     ranks = [json.load(open(f"{out}.{name}.rank{r}.json")) for r in range(2)]
-    engine, after = engine_for(int(stage), opt, 1), []
+    engine, after = engine_for(int(stage), opt, 1, "bf16" if broken == "bf16" else ""), []
+    dtype = next(engine.module.parameters()).dtype
     for step in range(STEPS):
         union = sorted(ranks[0]["steps"][step] + ranks[1]["steps"][step])
-        engine.backward(F.cross_entropy(engine(X[union]), Y[union]))
+        engine.backward(F.cross_entropy(engine(X[union].to(dtype)), Y[union]))
         engine.step()
         if step + 1 in (1, STEPS):
             after.append(params(engine))

@@ -46,3 +46,18 @@ def test_accelerates_deepspeed_plugin_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^hetero: Accelerate's DeepSpeed plugin is not supported yet: .*"
                                          r"bal\.attach\(engine\) \(docs/deepspeed\.md\)$"):
         prepare(accelerator, hetero.Balance(global_batch=8), torch.nn.Linear(2, 2))
+
+
+def test_the_hf_trainer_with_deepspeed_is_refused_in_one_line_before_training(monkeypatch):
+    """HeteroTrainer's own checks (run at train(), on every rank alike) name the door that exists."""
+    pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    from hetero.integrations.hf import HeteroTrainer
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = SimpleNamespace(deepspeed={"zero_optimization": {"stage": 2}}, per_device_train_batch_size=4,
+                           gradient_accumulation_steps=1)
+    trainer = SimpleNamespace(args=args, balance=hetero.Balance(global_batch=8))
+    with pytest.raises(ValueError, match=r"^hetero: HeteroTrainer with deepspeed= is not supported yet: .*"
+                                         r"\(docs/deepspeed\.md\)$"):
+        HeteroTrainer._refuse(trainer)

@@ -92,6 +92,9 @@ class HeteroTrainer(Trainer):
         if bal.world < 2:
             raise ValueError("hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); "
                              "one process has nothing to balance: use transformers.Trainer")
+        if a.deepspeed:
+            raise ValueError("hetero: HeteroTrainer with deepspeed= is not supported yet: train the DeepSpeed engine "
+                             "in your own loop with bal.attach(model_engine) (docs/deepspeed.md)")
         m, g = a.per_device_train_batch_size, a.gradient_accumulation_steps
         if g != 1 and bal.settings.micro_batch != m:
             raise ValueError(f"hetero: gradient_accumulation_steps {g} needs Balance(micro_batch="

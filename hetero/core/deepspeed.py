@@ -117,7 +117,7 @@ def _tensors(value) -> list[torch.Tensor]:
 class DeepSpeedDoor:
     """The DeepSpeed side of a Balance: the output weighting, the step's local backwards, the one reduction and
     `engine.step()` at the step's end (module docstring). The step engine calls `begin` before each micro-batch and
-    `finish` after the rank's last one."""
+    `finished` after the rank's last one; the loop's engine.step() runs `step`."""
 
     def __init__(self, engine: Engine, ds):
         from deepspeed.runtime.utils import register_output_backward_hooks

@@ -9,7 +9,8 @@ STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), 
 clock (even sizes, rank 1 emulated 1 s slower a step) or resume (micro, and after two steps a DeepSpeed checkpoint
 with hetero's state in its client_state, loaded into a new engine and Balance that run the third). OPT: sgd or adamw.
 BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means);
-bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused). Refusals at attach are recorded as
+other settings: bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused), sum (gradient_allreduce_op
+"sum": hetero's factor is 1). Refusals at attach are recorded as
 {"refused": line} and the launch goes on: gas (gradient_accumulation_steps 2), data (deepspeed.initialize given
 training_data), deepcompile, bf16 on ZeRO-0. Refusals in a step are a line on stderr and exit status 2, and end the
 launch: twice (engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before the
@@ -62,6 +63,8 @@ def engine_for(stage: int, opt: str, world: int, broken: str = ""):
         config["train_micro_batch_size_per_gpu"] //= 2
     if broken == "bf16":
         config["bf16"] = {"enabled": True}
+    if broken == "sum":
+        config["gradient_allreduce_op"] = "sum"
     if broken == "deepcompile":
         config["compile"] = {"deepcompile": True}
     data = Indexed() if broken == "data" else None

@@ -65,6 +65,8 @@ def refusal(engine) -> str | None:
     version = f"DeepSpeed {deepspeed.__version__}, hetero tested on {TESTED}"
     if not hasattr(engine, "coalesce_grad_reduction"):
         return f"the DeepSpeed door needs engine.coalesce_grad_reduction (DeepSpeed >= {TESTED}); this is {version}"
+    if isinstance(getattr(engine.step, "__self__", None), DeepSpeedDoor):
+        return "this DeepSpeed engine has a Balance attached already: one Balance per engine"
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
     if isinstance(engine, PipelineEngine):

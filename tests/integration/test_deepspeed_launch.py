@@ -26,7 +26,7 @@ EXACT = [f"{stage}:{mode}:sgd" for stage in range(4) for mode in ("micro", "batc
     "0:micro:sgd:sum", "2:micro:adamw:sum"]  # gradient_allreduce_op "sum" (ZeRO 0-2): DeepSpeed divides by nothing
 BROKEN = ["1:micro:sgd:double", "2:batch:sgd:remove", "3:micro:sgd:double"]  # each must miss the reference
 CLOCK = ["0:clock:sgd", "1:clock:sgd", "2:clock:sgd", "3:clock:sgd"]
-AT_ATTACH = ["1:batch:sgd:gas", "2:micro:sgd:data", "0:batch:sgd:bf16", "2:batch:sgd:deepcompile"]
+AT_ATTACH = ["1:batch:sgd:gas", "2:micro:sgd:data", "0:batch:sgd:bf16", "2:batch:sgd:deepcompile", "3:batch:sgd:again"]
 BF16 = ["1:batch:sgd:bf16", "2:micro:sgd:bf16", "3:micro:sgd:bf16"]  # bf16 parameters, fp32 master weights
 RESUMED = ["0:resume:sgd", "2:resume:adamw", "3:resume:sgd"]
 
@@ -113,7 +113,8 @@ def test_the_clock_counts_a_slow_ranks_delay_as_its_compute_and_as_the_others_wa
     ("1:batch:sgd:gas", "DeepSpeed's gradient_accumulation_steps is 2: hetero decides each rank's micro-batches"),
     ("2:micro:sgd:data", "deepspeed.initialize was given training_data: hetero's sampler feeds the engine"),
     ("0:batch:sgd:bf16", "ZeRO stage 0 with DeepSpeed's FP16_UnfusedOptimizer (fp16/bf16) is not supported"),
-    ("2:batch:sgd:deepcompile", "DeepCompile reduces gradients in its compiled graph: turn compile.deepcompile off")])
+    ("2:batch:sgd:deepcompile", "DeepCompile reduces gradients in its compiled graph: turn compile.deepcompile off"),
+    ("3:batch:sgd:again", "this DeepSpeed engine has a Balance attached already: one Balance per engine")])
 def test_configs_hetero_cannot_weight_are_refused_at_attach_on_every_rank(runs, case, line):
     r0, r1, _ = runs[case]
     assert r0["refused"] == r1["refused"] and r0["refused"].startswith(line)

@@ -9,12 +9,11 @@ STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), 
 clock (even sizes, rank 1 emulated 1 s slower a step) or resume (micro, and after two steps a DeepSpeed checkpoint
 with hetero's state in its client_state, loaded into a new engine and Balance that run the third). OPT: sgd or adamw.
 BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means);
-other settings: bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused), sum (gradient_allreduce_op
-"sum": hetero's factor is 1). Refusals at attach are recorded as
-{"refused": line} and the launch goes on: gas (gradient_accumulation_steps 2), data (deepspeed.initialize given
-training_data), deepcompile, bf16 on ZeRO-0. Refusals in a step are a line on stderr and exit status 2, and end the
-launch: twice (engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before the
-backward).
+other settings: bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused), sum (gradient_allreduce_op "sum":
+hetero's factor is 1). Refusals at attach are recorded as {"refused": line} and the launch goes on: gas
+(gradient_accumulation_steps 2), data (deepspeed.initialize given training_data), deepcompile, bf16 on ZeRO-0, again
+(a second Balance on the engine). Refusals in a step are a line on stderr and exit status 2, and end the launch: twice
+(engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before the backward).
 Each rank writes OUT.CASE.rankR.json (CASE with "-" for ":"): every step's sample indices, the parameters after the
 first and third steps (gathered under ZeRO-3), and every step's clock; the reference writes OUT.CASE.ref.json.
 """
@@ -122,6 +121,8 @@ def run(out: str, case: str) -> None:
     engine = engine_for(stage, opt, bal.world, broken)
     try:
         bal.attach(engine)
+        if broken == "again":  # a second Balance on the same engine
+            balance(mode, "").attach(engine)
     except ValueError as e:  # refused at attach, on every rank alike and before any collective: the launch goes on
         with open(f"{out}.{name}.rank{bal.rank}.json", "w") as f:
             json.dump({"refused": str(e)}, f)

@@ -178,7 +178,9 @@ def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
     last = r["ranks"][r["ranks"]["epoch"] == r["ranks"]["epoch"].max()].set_index("rank")
     assert last.loc[0, "batch_size"] > last.loc[1, "batch_size"]       # direction only: no timing asserted
     counts = analysis.micro_batches(analysis.load([run]))
-    assert len(counts) == 2 * 2 and (counts["micro_batches_last"] * 8 == last["batch_size"].tolist() * 2).all()
+    # each epoch's last step against that epoch's sizes (a decision late in epoch 1 may move them from epoch 0's)
+    both = counts.merge(r["ranks"][["epoch", "rank", "batch_size"]], on=["epoch", "rank"])
+    assert len(counts) == len(both) == 2 * 2 and (both["micro_batches_last"] * 8 == both["batch_size"]).all()
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ CASE is STAGE:MODE:OPT[:BREAK], every case an engine of its own in the same proc
 STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), batch (no micro_batch, sizes [3, 13]),
 clock (even sizes, rank 1 emulated 1 s slower a step) or resume (micro, and after two steps a DeepSpeed checkpoint
 with hetero's state in its client_state, loaded into a new engine and Balance that run the third). OPT: sgd or adamw.
-BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means);
+BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means),
+equal (even counts [2, 2] in place of [1, 3]);
 other settings: bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused), sum (gradient_allreduce_op "sum":
 hetero's factor is 1). Refusals at attach are recorded as {"refused": line} and the launch goes on: gas
 (gradient_accumulation_steps 2), data (deepspeed.initialize given training_data), deepcompile, bf16 on ZeRO-0, again
@@ -78,7 +79,7 @@ def params(engine) -> list[float]:
 
 def balance(mode: str, broken: str) -> hetero.Balance:
     micro = mode in ("micro", "resume")
-    sizes = [B // 2] * 2 if mode == "clock" else [M, B - M] if micro else [3, B - 3]
+    sizes = [B // 2] * 2 if mode == "clock" or broken == "equal" else [M, B - M] if micro else [3, B - 3]
     bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0)
     bal.replay({0: np.array([sizes] * (N // B))})
     if mode == "clock":

@@ -1,8 +1,8 @@
 """A tiny GPT-2 on local text in a plain DeepSpeed loop, ZeRO-2, with hetero: per-rank batch sizes by speed.
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node=2 examples/deepspeed_loop.py \
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node=2 examples/deepspeed_lm.py \
         --hetero 1:slowdown=3 --rebalance-every 5        # rank 1 emulated 3x slower: it gets about a quarter
-    deepspeed --num_gpus 2 examples/deepspeed_loop.py --text docs/huggingface.md --micro-batch 4
+    deepspeed --num_gpus 2 examples/deepspeed_lm.py --text docs/huggingface.md --micro-batch 4
 
 What hetero needs from a DeepSpeed loop (docs/deepspeed.md): bal.attach(model_engine) after deepspeed.initialize (the
 config's gradient_accumulation_steps 1, its batch sizes nominal: train_batch_size the global batch), hetero's batch
@@ -52,10 +52,10 @@ def main(args) -> int:
     model_engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(args, world))
     bal.attach(model_engine)  # the weight b_i/B on the outputs, one reduction a step, the step clock
     loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))
-    seen, losses = {}, []
+    seen, losses = {}, []  # losses: each epoch's mean over its samples, every rank's summed (one all-reduce)
     for epoch in range(args.epochs):
         bal.set_epoch(epoch)
-        seen[epoch] = []
+        seen[epoch], total = [], torch.zeros(2, device=model_engine.device)
         for batch in loader:
             idx = batch.pop("idx")
             batch = {k: v.to(model_engine.device) for k, v in batch.items()}
@@ -64,7 +64,9 @@ def main(args) -> int:
                 model_engine.backward(loss)
                 model_engine.step()
             seen[epoch] += idx.tolist()
-            losses.append(loss.item())
+            total += torch.tensor([loss.item() * len(idx), len(idx)], device=total.device)
+        torch.distributed.all_reduce(total)
+        losses.append((total[0] / total[1]).item())
         if rank == 0:
             print(f"epoch {epoch}: train loss {losses[-1]:.3f}, batch sizes {bal.last_sizes}", flush=True)
     if args.record:

@@ -1,7 +1,7 @@
-"""A tiny GPT-2 on local text in a plain DeepSpeed loop, ZeRO-2 (the baseline of deepspeed_loop.py: `diff`).
+"""A tiny GPT-2 on local text in a plain DeepSpeed loop, ZeRO-2 (the baseline of deepspeed_lm.py: `diff`).
 
-    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node=2 examples/deepspeed_loop_baseline.py
-    deepspeed --num_gpus 2 examples/deepspeed_loop_baseline.py --text docs/huggingface.md
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc-per-node=2 examples/deepspeed_lm_baseline.py
+    deepspeed --num_gpus 2 examples/deepspeed_lm_baseline.py --text docs/huggingface.md
 """
 import argparse
 import json
@@ -37,10 +37,10 @@ def main(args) -> int:
     model_engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config(args, world))
     sampler = DistributedSampler(ds, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(ds, batch_size=args.global_batch // world, sampler=sampler, drop_last=True)
-    seen, losses = {}, []
+    seen, losses = {}, []  # losses: each epoch's mean over its samples, every rank's summed (one all-reduce)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
-        seen[epoch] = []
+        seen[epoch], total = [], torch.zeros(2, device=model_engine.device)
         for batch in loader:
             idx = batch.pop("idx")
             batch = {k: v.to(model_engine.device) for k, v in batch.items()}
@@ -48,7 +48,9 @@ def main(args) -> int:
             model_engine.backward(loss)
             model_engine.step()
             seen[epoch] += idx.tolist()
-            losses.append(loss.item())
+            total += torch.tensor([loss.item() * len(idx), len(idx)], device=total.device)
+        torch.distributed.all_reduce(total)
+        losses.append((total[0] / total[1]).item())
         if rank == 0:
             print(f"epoch {epoch}: train loss {losses[-1]:.3f}", flush=True)
     if args.record:

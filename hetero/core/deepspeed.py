@@ -58,8 +58,9 @@ def is_engine(model: object) -> bool:
     return ds is not None and isinstance(model, getattr(ds, "DeepSpeedEngine", ()))
 
 
-def refusal(engine) -> str | None:
-    """Why hetero cannot attach to this engine (one line), or None. The same on every rank (it reads the config)."""
+def refusal(engine, world: int) -> str | None:
+    """Why hetero cannot attach to this engine in a world of `world` ranks (one line), or None. The same on every
+    rank (it reads the config)."""
     import deepspeed
 
     version = f"DeepSpeed {deepspeed.__version__}, hetero tested on {TESTED}"
@@ -71,6 +72,9 @@ def refusal(engine) -> str | None:
 
     if isinstance(engine, PipelineEngine):
         return f"pipeline parallelism (PipelineModule) runs its own micro-batch schedule: not supported ({version})"
+    if getattr(engine, "dp_world_size", world) != world:
+        return (f"DeepSpeed's data-parallel group has {engine.dp_world_size} of the {world} ranks (model or sequence "
+                f"parallelism): hetero weights over the whole world, so this is not supported ({version})")
     if engine.is_deepcompile_enabled():
         return f"DeepCompile reduces gradients in its compiled graph: turn compile.deepcompile off ({version})"
     if engine.gradient_accumulation_steps() != 1:
@@ -219,6 +223,6 @@ class DeepSpeedDoor:
 
 def attach(engine: Engine, ds) -> DeepSpeedDoor:
     """Install hetero on a DeepSpeed engine; raises ValueError with one line for what it refuses (on every rank)."""
-    if (why := refusal(ds)) is not None:
+    if (why := refusal(ds, engine.plan.world)) is not None:
         raise ValueError(why)
     return DeepSpeedDoor(engine, ds)

@@ -61,3 +61,45 @@ def test_the_hf_trainer_with_deepspeed_is_refused_in_one_line_before_training(mo
     with pytest.raises(ValueError, match=r"^hetero: HeteroTrainer with deepspeed= is not supported yet: .*"
                                          r"\(docs/deepspeed\.md\)$"):
         HeteroTrainer._refuse(trainer)
+
+
+class FakeEngine:
+    """What refusal() reads of a DeepSpeed engine, set to a supported ZeRO-2 engine of 2 ranks."""
+    coalesce_grad_reduction = training_dataloader = None
+    dp_world_size = 2
+    optimizer = SimpleNamespace(_coalesce_grad_reduction=False)
+
+    def step(self):
+        pass
+
+    def is_deepcompile_enabled(self):
+        return False
+
+    def gradient_accumulation_steps(self):
+        return 1
+
+    def managed_gradient_accumulation(self):
+        return True
+
+    def zero_optimization_stage(self):
+        return 2
+
+
+@pytest.mark.parametrize("change, line", [
+    ({}, None),
+    ({"dp_world_size": 1}, "DeepSpeed's data-parallel group has 1 of the 2 ranks (model or sequence parallelism)"),
+    ({"gradient_accumulation_steps": lambda self: 4}, "DeepSpeed's gradient_accumulation_steps is 4: hetero decides"),
+    ({"managed_gradient_accumulation": lambda self: False}, "managed_gradient_accumulation is false"),
+    ({"training_dataloader": object()}, "deepspeed.initialize was given training_data"),
+    ({"optimizer": None}, "the DeepSpeed engine has no optimizer"),
+    ({"optimizer": SimpleNamespace()}, "DeepSpeed's optimizer wrapper SimpleNamespace cannot keep a step's backwards"),
+])
+def test_each_engine_setting_hetero_cannot_weight_is_one_line(change, line):
+    """The refusals at attach that a launch does not reach (tests/integration/test_deepspeed_launch.py reaches
+    gas, training_data, DeepCompile, ZeRO-0's bf16 wrapper and a second Balance), on a stand-in engine."""
+    pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
+    from hetero.core.deepspeed import refusal
+
+    engine = type("Engine", (FakeEngine,), change)()
+    got = refusal(engine, 2)
+    assert got is None if line is None else got.startswith(line), got

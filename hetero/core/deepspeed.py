@@ -10,14 +10,16 @@ attached (`Balance.attach(engine)` calls `attach` here); docs/deepspeed.md has t
             engine.step()                               # a no-op before the rank's last micro-batch
 
 The weight. DeepSpeed reduces inside its engine (a mean over ranks, or a sum with `gradient_allreduce_op: "sum"`),
-so there is no communication hook to weight: hetero multiplies the gradient arriving at the model's outputs by
+so there is no communication hook to weight: hetero multiplies the loss the loop hands `engine.backward` by
 w_i x F, with w_i this rank's weight (b_i/B, m/B per micro-batch) and F the factor DeepSpeed's reduction divides by
-(the world for a mean, 1 for a sum). It uses DeepSpeed's own output hooks (`register_output_backward_hooks`, the ones
-its gradient-accumulation scaling uses), so every parameter's gradient is w_i x F x its own, as if the loss had been
-multiplied, and the reduced gradient is sum_i w_i g_i: the global-batch mean. The factor never reaches a setting
-DeepSpeed applies to the reduced sum on every rank (`gradient_predivide_factor`, `prescale_gradients`): those stay
-the same on every rank, so the replicas stay identical. (A loss term that does not pass through the model's outputs,
-a penalty on the parameters, is not weighted.)
+(the world for a mean, 1 for a sum). hetero puts its backward in the engine's place at attach, as it does the step,
+so the loop stays a plain DeepSpeed loop; every parameter's gradient is then w_i x F x its own, and the reduced
+gradient is sum_i w_i g_i: the global-batch mean. The weight goes on the loss, the root of the backward, and not on
+the model's outputs: a Hugging Face model returns its loss and the logits it came from, and a weight on every output
+would reach the logits' gradient twice (w_i squared). A backward that bypasses engine.backward (`loss.backward()`)
+would go unweighted: a hook on the outputs refuses it in one line. The factor never reaches a setting DeepSpeed
+applies to the reduced sum on every rank (`gradient_predivide_factor`, `prescale_gradients`): those stay the same on
+every rank, so the replicas stay identical.
 
 One reduction per step, whatever the rank's micro-batch count. A step's backwards stay local: on ZeRO 1-3 inside
 `engine.coalesce_grad_reduction()` (DeepSpeed's 2026 context: every backward keeps its gradients on the parameters,
@@ -27,7 +29,13 @@ in the engine's place at attach (as accelerate wraps an optimizer's step), a no-
 DeepSpeed's own step is off its accumulation boundary. There the clock marks `ready` (after an emulated slow rank's
 delay), and `returned` once the reduction is back; then DeepSpeed's step runs (the optimizer, clipping, the
 learning-rate scheduler). An engine.step() outside `with bal.step()`, twice in a step, before the backward, or
-missing at the step's end is refused in one line.
+missing at the step's end is refused in one line, as is an engine.backward() outside the block or after the step.
+
+Under the HF Trainer (`deepspeed=`, `hosted`), the config's gradient_accumulation_steps is the Trainer's G: the
+Trainer passes scale_wrt_gas=False, so DeepSpeed does not divide the loss by it, and accelerate's wrapper sets the
+accumulation boundary before each backward and calls engine.step() after each of the step's last entry's
+micro-batches (all this rank's k_i): hetero's step is a no-op until the last, and sets the boundary again after
+the reduction (leaving the coalescing context restores the one from before its first backward).
 
 ZeRO-3 gathers parameters in every forward and backward: ranks must run as many micro-batches. With micro_batch,
 a rank with fewer than the step's most runs the difference as padding: its last micro-batch's first sample, in eval
@@ -35,13 +43,14 @@ mode, with a zero weight (no gradient, no batch-norm statistics, no dropout draw
 collectives and the padding costs one sample's compute each. Those gathers are waits inside the clock's compute (a
 known bias toward the faster rank, as FSDP2's on CUDA); ZeRO 0-2 have no collective inside a step's backwards.
 
-DeepSpeed's own numbers: its config's batch sizes stay nominal and uniform (train_batch_size = micro x 1 x world);
+DeepSpeed's own numbers: its config's batch sizes stay nominal and uniform (train_batch_size = micro x G x world);
 hetero's sampler decides each rank's. With `train_batch_size` equal to the Balance's global_batch, DeepSpeed's
 `global_samples` and its throughput figures count the true global batch per step.
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from contextlib import AbstractContextManager
 
 import torch
@@ -50,6 +59,14 @@ from .engine import Engine, refuse
 
 TESTED = "0.19.8"  # the DeepSpeed release this door was built and tested on
 _LOW_PRECISION_WRAPPERS = ("FP16_Optimizer", "FP16_UnfusedOptimizer", "BF16_Optimizer")
+_HOSTED: weakref.WeakSet = weakref.WeakSet()  # engines whose accumulation boundary the HF Trainer owns (hosted)
+
+
+def hosted(engine) -> None:
+    """Mark the HF Trainer's engine before attach: its config's gradient_accumulation_steps is the Trainer's G, and
+    the Trainer neither lets it divide the loss (it passes scale_wrt_gas=False) nor count the boundary (accelerate
+    sets it before every backward, true on the step's last entry, which holds all of this rank's micro-batches)."""
+    _HOSTED.add(engine)
 
 
 def is_engine(model: object) -> bool:
@@ -77,7 +94,7 @@ def refusal(engine, world: int) -> str | None:
                 f"parallelism): hetero weights over the whole world, so this is not supported ({version})")
     if engine.is_deepcompile_enabled():
         return f"DeepCompile reduces gradients in its compiled graph: turn compile.deepcompile off ({version})"
-    if engine.gradient_accumulation_steps() != 1:
+    if engine.gradient_accumulation_steps() != 1 and engine not in _HOSTED:
         return (f"DeepSpeed's gradient_accumulation_steps is {engine.gradient_accumulation_steps()}: hetero decides "
                 f"each rank's micro-batches (Balance(micro_batch=m)), so set it to 1")
     if not engine.managed_gradient_accumulation():
@@ -126,40 +143,58 @@ class DeepSpeedDoor:
     `finished` after the rank's last one; the loop's engine.step() runs `step`."""
 
     def __init__(self, engine: Engine, ds):
-        from deepspeed.runtime.utils import register_output_backward_hooks
-
         self.engine, self.ds = engine, ds
         self.stage = ds.zero_optimization_stage()
         # DeepSpeed's reduction divides by the world for a mean (ZeRO-3 always averages), by nothing for a sum
         self.factor = float(engine.plan.world) if getattr(ds, "gradient_average", True) or self.stage == 3 else 1.0
         m = engine.plan.settings.micro_batch
+        self.hosted = ds in _HOSTED  # the HF Trainer's: its G in the config, the boundary accelerate's
         self.pads = self.stage == 3 and bool(m)  # ZeRO-3 with per-rank counts: every rank runs the step's most
-        self._m, self._hooks = m, register_output_backward_hooks
+        self._m = m
         self._local: AbstractContextManager | None = None  # the step's coalescing (or no_sync) context, entered
         self._inputs: tuple | None = None  # the last micro-batch's inputs (ZeRO-3 padding)
-        self._padding = self._backward = False
-        self._ds_step, ds.step = ds.step, self.step  # the loop's engine.step() comes here (as accelerate patches an
-        ds.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)  # optimizer's step)
+        self._padding = self._backward = self._weighing = False
+        # the loop's engine.backward(loss) and engine.step() come here (as accelerate patches an optimizer's step)
+        self._ds_backward, ds.backward = ds.backward, self.backward
+        self._ds_step, ds.step = ds.step, self.step
+        ds.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         ds.module.register_forward_hook(self._after_forward)
 
-    # -- the weight, on the model's outputs ---------------------------------------------------------------------
+    # -- the weight, on the loss the loop hands engine.backward -------------------------------------------------
     def _before_forward(self, module, args, kwargs):
         if self.pads and module.training and self.engine.running(required=False) is not None:
             self._inputs = (args, kwargs)
 
     def _after_forward(self, module, args, output):
         if torch.is_grad_enabled() and self.engine.running(required=False) is not None:
-            self._hooks(output, lambda: None, self._weigh)
+            for t in _tensors(output):  # a sentinel: a backward from these outputs went through engine.backward
+                t.register_hook(self._check)
 
-    def _weigh(self, grad: torch.Tensor) -> torch.Tensor:
-        """The gradient at an output, times this rank's weight (read at backward: bal.set_weight may replace it)."""
-        if self._padding:
-            return torch.zeros_like(grad)
-        s, self._backward = self.engine.running(), True
+    def _check(self, grad: torch.Tensor) -> None:
+        if not self._weighing:
+            s = self.engine.running(required=False)
+            where = f" in step {s.index} of epoch {s.epoch} on rank {s.rank}" if s is not None else ""
+            refuse(f"hetero: a backward ran outside engine.backward(loss){where}: hetero weights the loss there, so "
+                   f"call engine.backward(loss), not loss.backward()")
+
+    def backward(self, loss: torch.Tensor, *args, **kwargs):
+        """`engine.backward(loss)` as the loop calls it (hetero puts this in its place at attach): DeepSpeed's
+        backward of loss x w_i x F, this rank's weight (read now: bal.set_weight may have replaced it) times the
+        factor DeepSpeed's reduction divides by. Returns DeepSpeed's return, unweighted."""
+        s = self.engine.running(required=False)
+        if s is None:
+            refuse("hetero: engine.backward(loss) ran outside `with bal.step()`: hetero weights each rank's loss "
+                   "there, so run the forward and backward inside it")
         if self._local is None:
             refuse(f"hetero: a backward ran after engine.step() in step {s.index} of epoch {s.epoch} on rank {s.rank}: "
                    f"call engine.step() after engine.backward(loss)")
-        return grad * (s.weight * self.factor)
+        k = 0.0 if self._padding else s.weight * self.factor
+        self._backward, self._weighing = True, True
+        try:
+            out = self._ds_backward(loss * k, *args, **kwargs)
+        finally:
+            self._weighing = False
+        return out / k if k and isinstance(out, torch.Tensor) else out
 
     # -- a step's micro-batches ----------------------------------------------------------------------------------
     def begin(self, first: bool) -> None:
@@ -191,6 +226,8 @@ class DeepSpeedDoor:
         e.gradients_ready()  # marks ready (an emulated slow rank sleeps first)
         local, self._local = self._local, None
         local.__exit__(None, None, None)  # ZeRO 1-3: the coalesced reduction
+        if self.hosted:  # the boundary as accelerate sets it on the step's last entry (leaving the coalescing
+            self.ds.set_gradient_accumulation_boundary(True)  # context put back the one before its first backward)
         if not self.stage:
             self.ds.allreduce_gradients()
         s.clock.mark("returned")

@@ -28,7 +28,11 @@ accelerator.sync_gradients is then true on every micro-batch (gradient_accumulat
 optimizer steps counts where bal.sync_now is true, or reads bal.position.global_step.
 
 An FSDP2 model (FullyShardedDataParallelPlugin(fsdp_version=2)) attaches the same way: prepare returns the
-fully_shard'ed root, and attach installs hetero's weighted reduce-scatter on it (hetero.core.fsdp).
+fully_shard'ed root, and attach installs hetero's weighted reduce-scatter on it (hetero.core.fsdp). So does
+Accelerate's DeepSpeed plugin (DeepSpeedPlugin, gradient_accumulation_steps 1): prepare returns the DeepSpeed engine,
+and attach installs hetero's DeepSpeed door on it (hetero.core.deepspeed): accelerator.backward runs the engine's
+backward, which hetero weights, and its step, a no-op before the rank's last micro-batch; the prepared optimizer's
+step and zero_grad are accelerate's no-ops, so the same loop runs unchanged.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
 
     Raises:
         ValueError: in one line: a DataLoader among the objects, gradient_accumulation_steps other than 1,
-            Accelerate's DeepSpeed plugin, not exactly one model, or several CPU ranks without Accelerator(cpu=True)
+            not exactly one model, or several CPU ranks without Accelerator(cpu=True)
             (accelerate would wrap no DDP).
     """
     if not isinstance(balance, Balance):
@@ -64,9 +68,6 @@ def prepare(accelerator: Accelerator, balance: Balance, *objects: Any) -> Any:
                          f"rank (and accelerator.backward divides by it): keep it 1 and accumulate per rank with "
                          f"Balance(micro_batch=m), each micro-batch in `with bal.step():`, stepping the optimizer "
                          f"where bal.sync_now")
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        raise ValueError("hetero: Accelerate's DeepSpeed plugin is not supported yet: build the engine with "
-                         "deepspeed.initialize and attach it, bal.attach(engine) (docs/deepspeed.md)")
     if (n := sum(isinstance(o, torch.nn.Module) for o in objects)) != 1:
         raise ValueError(f"hetero: prepare takes exactly one model ({n} given): the one whose gradient hetero weights")
     if accelerator.distributed_type == DistributedType.NO and balance.world > 1:

@@ -26,7 +26,8 @@ HETERO = "1:slowdown=3,1:delay=0.05"
 
 EXACT = [f"{stage}:{mode}:sgd" for stage in range(4) for mode in ("micro", "batch")] + [
     "0:batch:adamw", "1:micro:adamw", "2:micro:adamw", "3:micro:adamw",
-    "0:micro:sgd:sum", "2:micro:adamw:sum"]  # gradient_allreduce_op "sum" (ZeRO 0-2): DeepSpeed divides by nothing
+    "0:micro:sgd:sum", "2:micro:adamw:sum",  # gradient_allreduce_op "sum" (ZeRO 0-2): DeepSpeed divides by nothing
+    "1:micro:sgd:pair", "3:micro:adamw:pair"]  # a model returning its loss and logits, as a Hugging Face one
 BROKEN = ["1:micro:sgd:double", "2:batch:sgd:remove", "3:micro:sgd:double"]  # each must miss the reference
 EQUAL = ["2:micro:sgd:equal"]  # even counts: the check that the unequal split ran must see it
 CLOCK = ["0:clock:sgd", "1:clock:sgd", "2:clock:sgd", "3:clock:sgd"]
@@ -139,10 +140,12 @@ def test_configs_hetero_cannot_weight_are_refused_at_attach_on_every_rank(runs, 
     ("2:micro:sgd:twice", "hetero: engine.step() ran twice in step 0 of epoch 0 on rank "),
     ("0:micro:sgd:outside", "hetero: engine.step() ran outside `with bal.step()`: call it inside"),
     ("3:batch:sgd:missing", "hetero: step 0 of epoch 0 ended on rank "),
-    ("3:micro:sgd:early", "hetero: engine.step() ran before engine.backward(loss) in step 0 of epoch 0 on rank 0")])
+    ("3:micro:sgd:early", "hetero: engine.step() ran before engine.backward(loss) in step 0 of epoch 0 on rank 0"),
+    ("2:batch:sgd:torch", "hetero: a backward ran outside engine.backward(loss) in step 0 of epoch 0 on rank ")])
 def test_a_loop_that_steps_the_engine_wrongly_stops_every_rank_with_one_line(tmp_path, case, line):
-    """Twice in a step, after the block, never, or before the backward (under ZeRO-3 rank 1's gathers then fail:
-    it says rank 0's line): every rank stops with hetero's line, none with DeepSpeed's assertion or a hang."""
+    """Twice in a step, after the block, never, or before the backward (under ZeRO-3 rank 1's gathers then fail: it says
+    rank 0's line), or a backward that bypasses engine.backward (its loss unweighted): every rank stops with hetero's
+    line, none with DeepSpeed's assertion or a hang."""
     p = _torchrun(2, tmp_path / "rec", case)
     assert p.returncode != 0
     said = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: ")]

@@ -11,10 +11,12 @@ with hetero's state in its client_state, loaded into a new engine and Balance th
 BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means),
 equal (even counts [2, 2] in place of [1, 3]);
 other settings: bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused), sum (gradient_allreduce_op "sum":
-hetero's factor is 1). Refusals at attach are recorded as {"refused": line} and the launch goes on: gas
-(gradient_accumulation_steps 2), data (deepspeed.initialize given training_data), deepcompile, bf16 on ZeRO-0, again
-(a second Balance on the engine). Refusals in a step are a line on stderr and exit status 2, and end the launch: twice
-(engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before the backward).
+hetero's factor is 1), pair (the model returns the loss and the logits it came from, as a Hugging Face model does: the
+weight must reach the logits' gradient once). Refusals at attach are recorded as {"refused": line} and the launch goes
+on: gas (gradient_accumulation_steps 2), data (deepspeed.initialize given training_data), deepcompile, bf16 on ZeRO-0,
+again (a second Balance on the engine). Refusals in a step are a line on stderr and exit status 2, and end the launch:
+twice (engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before the backward),
+torch (loss.backward() in place of engine.backward(loss)).
 Each rank writes OUT.CASE.rankR.json (CASE with "-" for ":"): every step's sample indices, the parameters after the
 first and third steps (gathered under ZeRO-3), and every step's clock; the reference writes OUT.CASE.ref.json.
 """
@@ -52,8 +54,20 @@ def net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
 
 
+class Pair(torch.nn.Module):
+    """The net as a Hugging Face model: given the labels, it returns the loss and the logits it came from."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = net()
+
+    def forward(self, x, y):
+        logits = self.net(x)
+        return F.cross_entropy(logits, y), logits
+
+
 def engine_for(stage: int, opt: str, world: int, broken: str = ""):
-    model = net()
+    model = Pair() if broken == "pair" else net()
     optimizer = (torch.optim.SGD(model.parameters(), lr=0.5) if opt == "sgd" else
                  torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1))
     config = {"train_micro_batch_size_per_gpu": B // world, "gradient_accumulation_steps": 2 if broken == "gas" else 1,
@@ -101,10 +115,16 @@ def train(bal: hetero.Balance, engine, steps: list, after: dict, upto: int, brok
         with bal.step():
             if broken == "double" and bal.rank == 0:
                 bal.set_weight(2 * bal.engine.running().weight)
-            loss = F.cross_entropy(engine(x.to(dtype)), y)  # bf16: the engine casts the model, not the inputs
+            if broken == "pair":
+                loss = engine(x, y)[0]
+            else:
+                loss = F.cross_entropy(engine(x.to(dtype)), y)  # bf16: the engine casts the model, not the inputs
             if broken == "early":
                 engine.step()
-            engine.backward(loss)
+            if broken == "torch":
+                loss.backward()
+            else:
+                engine.backward(loss)
             if broken != "missing":
                 engine.step()
             if broken == "twice":

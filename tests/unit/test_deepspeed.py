@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import hetero
 from hetero.core.deepspeed import _rows, _tensors, is_engine
 
 
@@ -33,34 +32,6 @@ def test_the_padding_backpropagates_from_the_first_floating_output_with_a_gradie
 
 def test_a_module_is_no_deepspeed_engine_and_needs_no_deepspeed_to_say_so():
     assert not is_engine(torch.nn.Linear(2, 2))
-
-
-def test_accelerates_deepspeed_plugin_is_refused_in_one_line():
-    """Not built yet (#50): prepare says so and names the door that is, before accelerate prepares anything."""
-    pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
-    from accelerate.utils import DistributedType
-
-    from hetero.integrations.accelerate import prepare
-
-    accelerator = SimpleNamespace(gradient_accumulation_steps=1, distributed_type=DistributedType.DEEPSPEED)
-    with pytest.raises(ValueError, match=r"^hetero: Accelerate's DeepSpeed plugin is not supported yet: .*"
-                                         r"bal\.attach\(engine\) \(docs/deepspeed\.md\)$"):
-        prepare(accelerator, hetero.Balance(global_batch=8), torch.nn.Linear(2, 2))
-
-
-def test_the_hf_trainer_with_deepspeed_is_refused_in_one_line_before_training(monkeypatch):
-    """HeteroTrainer's own checks (run at train(), on every rank alike) name the door that exists."""
-    pytest.importorskip("transformers", reason="the [hf] extra is not installed")
-    from hetero.integrations.hf import HeteroTrainer
-
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    args = SimpleNamespace(deepspeed={"zero_optimization": {"stage": 2}}, per_device_train_batch_size=4,
-                           gradient_accumulation_steps=1)
-    trainer = SimpleNamespace(args=args, balance=hetero.Balance(global_batch=8))
-    with pytest.raises(ValueError, match=r"^hetero: HeteroTrainer with deepspeed= is not supported yet: .*"
-                                         r"\(docs/deepspeed\.md\)$"):
-        HeteroTrainer._refuse(trainer)
 
 
 class FakeEngine:
@@ -103,3 +74,15 @@ def test_each_engine_setting_hetero_cannot_weight_is_one_line(change, line):
     engine = type("Engine", (FakeEngine,), change)()
     got = refusal(engine, 2)
     assert got is None if line is None else got.startswith(line), got
+
+
+def test_the_hf_trainers_engine_may_accumulate_in_its_config_and_no_other():
+    """gradient_accumulation_steps G in the config is refused in an own loop (DeepSpeed would divide the loss by it
+    and count the boundary), and taken from the HF Trainer (hosted), which turns both off."""
+    pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
+    from hetero.core.deepspeed import hosted, refusal
+
+    own, trainers = (type("Engine", (FakeEngine,), {"gradient_accumulation_steps": lambda self: 4})()
+                     for _ in range(2))
+    hosted(trainers)
+    assert refusal(own, 2).startswith("DeepSpeed's gradient_accumulation_steps is 4") and refusal(trainers, 2) is None

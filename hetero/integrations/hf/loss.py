@@ -16,6 +16,8 @@ step's micro-batches (eval mode, no gradient, forward only, before the step cloc
   (labels[..., 1:] != -100, a causal LM's own mean) or "rows" (a per-sample mean). Micro-batches whose tensors differ
   only in their rows are joined first, so that micro-batches of one row still make batches of several.
 
+On DeepSpeed ZeRO-3 every forward gathers the parameters, a collective: the ranks then run the probe's forwards in
+lockstep (a MAX all-reduce before each says whether any rank has one left; a rank without runs its first batch again).
 The ranks combine their findings with a MIN all-reduce (a rank that cannot tell agrees to everything). A loss that
 fits no kind (an extra term, a sum) is refused in one line naming the class, on every rank alike, and so is a kind
 the user said that the loss contradicts. Where several means fit (one row per micro-batch, each of its own length;
@@ -99,11 +101,10 @@ def _groups(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
-def _findings(trainer, batches: list[dict[str, Any]], num_items) -> list[int]:
+def _findings(batches: list[dict[str, Any]], num_items, loss) -> list[int]:
     """This rank's verdicts [divides, ignores, a mean, tokens, shifted, rows]: 1 where its batches agree (or
-    cannot tell)."""
+    cannot tell). loss(batch, num_items): the loss of one forward."""
     found = [1] * (3 + len(MEANS))
-    loss = lambda batch, n: float(trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=n))  # noqa: E731
     first = next(((b, w) for b in batches if math.isfinite(w := loss(b, num_items)) and w != 0.0), None)
     if first is None:
         return found  # nothing to learn from this rank's batches
@@ -138,21 +139,38 @@ def _findings(trainer, batches: list[dict[str, Any]], num_items) -> list[int]:
     return found
 
 
-def decide(trainer, batches: list[dict[str, Any]], num_items, device: torch.device, said: str | None = None) -> str:
+def decide(trainer, batches: list[dict[str, Any]], num_items, device: torch.device, said: str | None = None,
+           aligned: bool = False) -> str:
     """Collective: the loss's kind (one of KINDS), the same on every rank; a one-line ValueError where the loss fits
     none, contradicts `said` (the user's HeteroTrainer(loss_mean=...)), or fits several means and `said` is None.
     batches: this rank's micro-batches of the first step; num_items: what the Trainer passes to the loss (None where
-    it passes nothing)."""
-    model = trainer.model
+    it passes nothing); aligned: every forward is collective (DeepSpeed ZeRO-3 gathers the parameters in each), so
+    the ranks run theirs in lockstep: before each forward they agree whether any rank has one to run (a MAX
+    all-reduce), and a rank with none left runs its first batch again, until none has."""
+    model, together = trainer.model, dist.is_available() and dist.is_initialized()
+    aligned = aligned and together
     was_training = model.training
     model.eval()  # no dropout, no BatchNorm statistics: the same function of the rows at every call
+
+    def wanted(mine: int) -> bool:  # a forward to run this round on some rank (aligned only)
+        flag = torch.tensor([mine], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def loss(batch: dict[str, Any], n) -> float:
+        if aligned:
+            wanted(1)
+        return float(trainer.compute_loss(model, dict(batch), num_items_in_batch=n))
     try:
         with torch.no_grad():
-            found = _findings(trainer, [trainer._prepare_inputs(b) for b in batches], num_items)
+            prepared = [trainer._prepare_inputs(b) for b in batches]
+            found = _findings(prepared, num_items, loss)
+            while aligned and wanted(0):  # another rank has forwards left: run as many
+                trainer.compute_loss(model, dict(prepared[0]), num_items_in_batch=num_items)
     finally:
         model.train(was_training)
     flags = torch.tensor(found, dtype=torch.int64, device=device)
-    if dist.is_available() and dist.is_initialized():
+    if together:
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
     divides, ignores, mean, *means = flags.tolist()
     name = type(trainer.accelerator.unwrap_model(model)).__name__

@@ -14,6 +14,11 @@ What it changes in the Trainer (docs/huggingface.md):
 - hetero's state is saved in every checkpoint folder and read back by train(resume_from_checkpoint=...) (resume.py).
 - on FSDP2 (fsdp_config fsdp_version 2) the Balance attaches to the fully_shard'ed root: hetero's weighted
   reduce-scatter in place of the comm hook, its micro-batch schedule in place of no_sync (fsdp.py).
+- with deepspeed= a config (ZeRO 0-3, accelerate's DeepSpeed plugin) the Balance attaches to the DeepSpeed engine
+  (hetero.core.deepspeed, marked `hosted`: the config's gradient_accumulation_steps is the Trainer's G, which the
+  Trainer keeps from dividing the loss and from counting the boundary): hetero weights the loss the Trainer hands
+  engine.backward and reduces once, at the engine.step() accelerate calls after the rank's last micro-batch; on
+  ZeRO-3 the loss probe runs its forwards in lockstep over the ranks (loss.decide, aligned).
 
 The loss conventions, said by the user (loss_mean=) or found at each train()'s first step from what the loss does,
 and checked there either way (hf_loss.decide, collective), never read from the forward's signature (BERT's
@@ -44,7 +49,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
-from ...core import fsdp, safeio
+from ...core import deepspeed, fsdp, safeio
 from ...core.balance import Balance
 from . import accumulate as hf_accumulate
 from . import fsdp as hf_fsdp
@@ -92,9 +97,6 @@ class HeteroTrainer(Trainer):
         if bal.world < 2:
             raise ValueError("hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); "
                              "one process has nothing to balance: use transformers.Trainer")
-        if a.deepspeed:
-            raise ValueError("hetero: HeteroTrainer with deepspeed= is not supported yet: train the DeepSpeed engine "
-                             "in your own loop with bal.attach(model_engine) (docs/deepspeed.md)")
         m, g = a.per_device_train_batch_size, a.gradient_accumulation_steps
         if g != 1 and bal.settings.micro_batch != m:
             raise ValueError(f"hetero: gradient_accumulation_steps {g} needs Balance(micro_batch="
@@ -181,8 +183,9 @@ class HeteroTrainer(Trainer):
         dev = self.args.device if dist.get_backend() == "nccl" else torch.device("cpu")  # NCCL: device tensors
         passed = num_items if self.model_accepts_loss_kwargs or self.compute_loss_func else None
         if self._loss_kind is None:  # FSDP2: the probe's forwards, unequal per rank, must not all-gather
-            with hf_fsdp.gathered(self.model_wrapped):
-                self._loss_kind = hf_loss.decide(self, batches, passed, dev, self.loss_mean)
+            zero3 = deepspeed.is_engine(self.model_wrapped) and self.model_wrapped.zero_optimization_stage() == 3
+            with hf_fsdp.gathered(self.model_wrapped):  # ZeRO-3 gathers in every forward: as many on every rank
+                self._loss_kind = hf_loss.decide(self, batches, passed, dev, self.loss_mean, aligned=zero3)
         kind, own = self._loss_kind, None
         if kind == "trainer" and passed is not None and not self.args.average_tokens_across_devices:
             own = float(num_items)  # (b) with the Trainer's count: this rank's own (not gathered)
@@ -259,12 +262,15 @@ class _BalanceSteps(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         bal, ddp = self.trainer.balance, self.trainer.model_wrapped
-        if not isinstance(ddp, DistributedDataParallel) and not fsdp.is_fsdp(ddp):
+        engine = deepspeed.is_engine(ddp)
+        if not isinstance(ddp, DistributedDataParallel) and not fsdp.is_fsdp(ddp) and not engine:
             hint = ("; on CPU ranks set TrainingArguments(use_cpu=True), or accelerate runs no DDP" if
-                    args.parallel_mode.value != "distributed" else ": DeepSpeed and model parallelism are not "
-                    "supported")
-            raise ValueError(f"hetero: the Trainer's model is a {type(ddp).__name__}, neither DistributedDataParallel "
-                             f"nor an FSDP2 root (fsdp_config fsdp_version 2), which hetero weights{hint}")
+                    args.parallel_mode.value != "distributed" else ": model parallelism is not supported")
+            raise ValueError(f"hetero: the Trainer's model is a {type(ddp).__name__}, neither DistributedDataParallel, "
+                             f"an FSDP2 root (fsdp_config fsdp_version 2) nor a DeepSpeed engine (deepspeed=), which "
+                             f"hetero weights{hint}")
+        if engine:  # the config's gradient_accumulation_steps is the Trainer's G: the Trainer owns the boundary
+            deepspeed.hosted(ddp)
         if ddp is not self._ddp:  # a second train() on the same DDP model keeps its hook (DDP takes one)
             bal.attach(ddp)
             self._ddp = ddp

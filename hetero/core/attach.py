@@ -3,7 +3,7 @@
 - bind: the engine and its plan for one rank of a world, once (a second bind must name the same world).
 
 - attach: a DDP model gets the weighting communication hook (hook.py); an FSDP2 root gets its weighted
-  reduce-scatter (fsdp.py); a DeepSpeed engine gets its door (deepspeed.py: weighted outputs, one reduction); each
+  reduce-scatter (fsdp.py); a DeepSpeed engine gets its door (deepspeed.py: the weighted loss, one reduction); each
   gets the forward counter and the optimizer guard (guard.py). Collective: the ranks compare their settings and
   gather their worker identities.
 - plug: the emulated slow ranks (emulator.py) and recorded sizes (a replay) go into the engine and its plan,

@@ -38,17 +38,33 @@ def main(args) -> int:
     sampler = DistributedSampler(ds, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(ds, batch_size=args.global_batch // world, sampler=sampler, drop_last=True)
     seen, losses = {}, []  # losses: each epoch's mean over its samples, every rank's summed (one all-reduce)
-    for epoch in range(args.epochs):
+    ckpt, log = args.checkpoint_dir, open(f"{args.record}.rank{rank}.steps.jsonl", "a") if args.record else None
+    at = (0, 0)  # the next step: (epoch, step in it)
+    if args.resume and ckpt and os.path.exists(os.path.join(ckpt, "latest")):
+        _, client = model_engine.load_checkpoint(ckpt)  # DeepSpeed's files load with pickle: only your own
+        at, losses = tuple(client["at"]), client["losses"]
+        if rank == 0:
+            print(f"resumed at step {at[1]} of epoch {at[0]}", flush=True)
+    for epoch in range(at[0], args.epochs):  # a resumed epoch goes on where it stopped
         sampler.set_epoch(epoch)
         seen[epoch], total = [], torch.zeros(2, device=model_engine.device)
-        for batch in loader:
+        for i, batch in enumerate(loader):
+            if epoch == at[0] and i < at[1]:
+                continue
             idx = batch.pop("idx")
             batch = {k: v.to(model_engine.device) for k, v in batch.items()}
+            step = epoch * len(loader) + i
             loss = model_engine(**batch).loss  # this rank's mean over its tokens
             model_engine.backward(loss)
             model_engine.step()
             seen[epoch] += idx.tolist()
             total += torch.tensor([loss.item() * len(idx), len(idx)], device=total.device)
+            if log:  # one line a batch, flushed: what a killed run had done
+                print(json.dumps({"step": step, "epoch": epoch, "idx": idx.tolist()}), file=log, flush=True)
+            done = step + 1
+            if ckpt and args.save_every and done % args.save_every == 0:
+                at = divmod(done, len(loader))
+                model_engine.save_checkpoint(ckpt, client_state={"at": at, "losses": losses})
         torch.distributed.all_reduce(total)
         losses.append((total[0] / total[1]).item())
         if rank == 0:
@@ -69,6 +85,9 @@ if __name__ == "__main__":
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zero", type=int, default=2, choices=range(4), help="ZeRO stage")
+    p.add_argument("--checkpoint-dir", default="", help="save DeepSpeed checkpoints there (--save-every)")
+    p.add_argument("--save-every", type=int, default=0, help="a checkpoint every N steps, mid-epoch too")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")
     p.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # the deepspeed launcher's
     code = main(p.parse_args())

@@ -5,11 +5,16 @@ clock cases and the refusals at attach (tests/scripts/deepspeed_exact.py); one s
 references; a refusal inside a step ends its launch, so each has its own."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from hetero.lab.launch import clean_env
@@ -184,3 +189,58 @@ def test_the_example_covers_every_row_once_gives_the_slow_rank_less_and_learns_l
     assert last == ranks[1]["decisions"][-1]["sizes"] and last[1] < 0.4 * sum(last)
     losses, base = ranks[0]["losses"], baseline[0]["losses"]
     assert losses[1] < losses[0] and abs(losses[1] - base[1]) < 0.1 * base[1]
+
+
+def _lines(path) -> dict[int, list[int]]:
+    """A rank's per-batch log: {global step: the step's sample indices}."""
+    steps: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).extend(row["idx"])
+    return steps
+
+
+def test_a_run_killed_after_a_mid_epoch_checkpoint_resumes_with_its_shares_and_covers_every_row_once(tmp_path):
+    """examples/deepspeed_lm.py on ZeRO-3 with micro-batches of 4, a DeepSpeed checkpoint every 4 steps (hetero's
+    state in its client_state), SIGKILLed (torchrun and both ranks) once both ranks have logged a step past the first
+    checkpoint (step 4 of the 10 in epoch 0), then run again with --resume: the resumed run repeats the steps the
+    killed one ran past the checkpoint with the same samples on the same ranks (the shares carried from its first
+    step, the slow rank's under an even half), and each epoch's rows, counted from the killed run before the
+    checkpoint and the resumed run after it, are every row exactly once."""
+    ckpt, env = tmp_path / "ckpt", {**clean_env(threads="1"), "DS_ACCELERATOR": "cpu", "PYTHONFAULTHANDLER": "1"}
+    common = ["--zero", "3", "--micro-batch", "4", "--rebalance-every", "2", "--hetero", "1:slowdown=3,1:delay=0.3",
+              "--checkpoint-dir", str(ckpt), "--save-every", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--log-dir={os.devnull}", str(EXAMPLES / "deepspeed_lm.py"), *common]
+    with open(tmp_path / "killed.err", "w") as err:
+        p = subprocess.Popen([*cmd, "--record", str(tmp_path / "killed")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=err, start_new_session=True)
+        logs, deadline = [tmp_path / f"killed.rank{r}.steps.jsonl" for r in range(2)], time.monotonic() + 400
+        try:  # until both ranks have logged a batch of step 5: step 4 is whole in both logs
+            while not ((ckpt / "latest").exists() and all(f.exists() and max(_lines(f), default=0) >= 5 for f in logs)):
+                assert p.poll() is None, (tmp_path / "killed.err").read_text()[-4000:]
+                assert time.monotonic() < deadline, "no checkpoint and step past it in time"
+                time.sleep(0.05)
+        finally:  # the job killed whole, as a scheduler or the OOM killer does: torchrun starts each rank in a
+            tree = [p.pid, *(c.pid for c in psutil.Process(p.pid).children(recursive=True))]  # session of its own
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            p.wait(timeout=60)
+            assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in tree[1:])
+    saved = int((ckpt / "latest").read_text().strip().removeprefix("global_step"))
+    q = bounded([*cmd, "--resume", "--record", str(tmp_path / "resumed")], env, timeout=600)
+    assert q.returncode == 0, q.stderr[-6000:]
+    killed = [_lines(tmp_path / f"killed.rank{r}.steps.jsonl") for r in range(2)]
+    resumed = [_lines(tmp_path / f"resumed.rank{r}.steps.jsonl") for r in range(2)]
+    assert saved in (4, 8, 12, 16) and min(resumed[0]) == saved and max(resumed[0]) == 19  # on from the checkpoint
+    # (the first one, step 4, unless a loaded host let the killed run go on before the kill)
+    repeated = [g for g in killed[0] if g >= saved]
+    assert repeated and all(killed[r][saved] == resumed[r][saved] for r in range(2))  # its first step, whole
+    for r in range(2):  # the kill lands mid-step: what the killed run did of a step is how the resumed one began it
+        assert all(resumed[r][g][:len(killed[r].get(g, []))] == killed[r].get(g, []) for g in repeated)
+    assert len(resumed[1][saved]) < len(resumed[0][saved])                        # the slow rank's share, carried
+    for epoch in range(2):
+        rows = [i for r in range(2) for part in (killed[r], resumed[r]) for g, idx in part.items()
+                if g // 10 == epoch and (part is resumed[r]) == (g >= saved) for i in idx]
+        assert sorted(rows) == list(range(320)), epoch

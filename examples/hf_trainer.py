@@ -72,6 +72,12 @@ class RecordingTrainer(HeteroTrainer):
         return super().compute_loss(model, {k: v for k, v in inputs.items() if k != "idx"}, **kwargs)
 
 
+def deepspeed_config(stage: int) -> dict:
+    """A DeepSpeed config for TrainingArguments(deepspeed=...): the batch numbers "auto", the Trainer fills them."""
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
+            "gradient_clipping": "auto", "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage}}
+
+
 def main(args) -> int:
     try:
         with open(args.text) as f:
@@ -102,7 +108,8 @@ def main(args) -> int:
                               save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
                               disable_tqdm=True, seed=args.seed, remove_unused_columns=False,
                               dataloader_num_workers=args.workers, use_cpu=not torch.cuda.is_available(),
-                              eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None)
+                              eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
+                              deepspeed=deepspeed_config(args.deepspeed) if args.deepspeed >= 0 else None)
     trainer = RecordingTrainer(model=model, args=targs, train_dataset=ds,
                                eval_dataset=evalset if args.eval_every else None, balance=bal)
     trainer.seen, trainer.batches = {}, []
@@ -145,5 +152,6 @@ if __name__ == "__main__":
     p.add_argument("--hetero", default="", help='emulated heterogeneity, e.g. "1:slowdown=3"')
     p.add_argument("--save-steps", type=int, default=0, help="save a checkpoint every this many steps (0: none)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
+    p.add_argument("--deepspeed", type=int, default=-1, choices=range(-1, 4), help="a ZeRO stage (-1: no DeepSpeed)")
     p.add_argument("--record", default="", help="write the indices each rank consumed to RECORD.rankR.json")
     sys.exit(main(p.parse_args()))

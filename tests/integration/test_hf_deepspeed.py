@@ -203,3 +203,47 @@ def test_accelerates_deepspeed_plugin_in_a_plain_loop_is_the_union_step_and_a_do
         assert max_diff(got["params"], [torch.tensor(p) for p in ref[case]]) < 1e-6, f"{case}: not the union's step"
     if case == "acc2":
         assert max_diff(ranks[0]["acc2_doubled"]["params"], [torch.tensor(p) for p in ref[case]]) > 1e-3
+
+
+def _example(tmp_path, name: str, *extra: str) -> list[dict]:
+    """examples/hf_trainer.py under torchrun on 2 CPU ranks, rank 1 emulated 3x slower and 0.1 s a step."""
+    import subprocess
+    import sys
+
+    from hetero.lab.launch import ROOT, clean_env
+
+    from helpers import bounded
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--log-dir=/dev/null",
+           str(ROOT / "examples" / "hf_trainer.py"), "--text", str(ROOT / "docs" / "huggingface.md"), "--subset",
+           "320", "--global-batch", "32", "--epochs", "2", "--hetero", "1:slowdown=3,1:delay=0.1",
+           "--rebalance-every", "5", "--out", str(tmp_path / "out"), *extra, "--record", str(tmp_path / name)]
+    p: subprocess.CompletedProcess = bounded(cmd, {**clean_env(threads="1"), "HF_HUB_OFFLINE": "1",
+                                                   "DS_ACCELERATOR": "cpu"}, timeout=420)
+    assert p.returncode == 0, p.stderr[-6000:]
+    return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_the_trainer_example_on_zero_3_resumes_from_its_checkpoint_with_its_counts_and_coverage(tmp_path):
+    """examples/hf_trainer.py --deepspeed 3 --grad-accum 4 (micro-batches of 4, k_i per rank): stopped at the
+    checkpoint after step 6 (DeepSpeed's files and hetero's in checkpoint-6) and resumed from it. The resumed run's
+    micro-batch counts at step 6 are the ones in force before the stop (decided at step 4, the slow rank's fewer than
+    the even 4), and epoch 0, counted over both runs, and epoch 1 cover every row once."""
+    first = _example(tmp_path, "first", "--deepspeed", "3", "--grad-accum", "4", "--max-steps", "6",
+                     "--save-steps", "6")
+    assert (tmp_path / "out" / "checkpoint-6" / "hetero_balance.pt").is_file()
+    assert (tmp_path / "out" / "checkpoint-6" / "global_step6").is_dir()  # DeepSpeed's own checkpoint
+    second = _example(tmp_path, "second", "--deepspeed", "3", "--grad-accum", "4", "--resume")
+
+    def counts(run: dict) -> dict[int, int]:  # step -> this rank's micro-batches in it
+        out: dict[int, int] = {}
+        for step, _ in run["batches"]:
+            out[step] = out.get(step, 0) + 1
+        return out
+    for rank in range(2):
+        before, after = counts(first[rank]), counts(second[rank])
+        assert sorted(after) == list(range(6, 20)) and after[6] == before[5]
+    assert counts(second[1])[6] < 4 < counts(second[0])[6]  # the slow rank's fewer, carried over the stop
+    epoch0 = [i for run in (first, second) for rank in run for i in rank["seen"].get("0", [])]
+    assert sorted(epoch0) == list(range(320))
+    assert sorted(second[0]["seen"]["1"] + second[1]["seen"]["1"]) == list(range(320))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..core import safeio
 from ..trainer.cli import CliParser
-from . import efficiency, fsdp_overhead, hfbench, host, outside, overhead, recovery, simbench
+from . import deepspeed_overhead, efficiency, fsdp_overhead, hfbench, host, outside, overhead, recovery, simbench
 from .launch import root
 from .measure import LaunchError, markdown_table, run_meta
 from .suite import PARTS, QUICK, Suite
@@ -74,6 +74,9 @@ def checks(res: dict) -> list[dict]:
     if fs := res.get("fsdp_overhead"):
         out.append({"target": "api step <= 1.01 x plain FSDP2 step (same DataLoader)", "value": fs["ratio"],
                     "pass": fs["ratio"] <= 1.01})
+    if ds := res.get("deepspeed_overhead"):  # a figure: the target is stated, the suite's tests do not gate on it
+        out.append({"target": "api step <= 1.01 x plain DeepSpeed step (ZeRO-2, same DataLoader)", "value": ds["ratio"],
+                    "pass": ds["ratio"] <= 1.01})
     if hf := res.get("hf"):  # a figure: the target is stated, the suite's tests do not gate on it
         out.append({"target": "hf Trainer step with hetero <= 1.01 x plain Trainer step", "value": hf["ratio"],
                     "pass": hf["ratio"] <= 1.01})
@@ -181,6 +184,13 @@ def table(res: dict) -> str:
                   f"{1e3 * fs['plain_step_s']:.2f} ms/step: ratio {fs['ratio']:.3f} (median of "
                   f"{len(fs['pair_ratios'])} back-to-back step pairs; of medians {fs['ratio_of_medians']:.3f}), "
                   f"{fs['extra_ms_per_step']:+.2f} ms per step", ""]
+    if ds := res.get("deepspeed_overhead"):
+        lines += [f"## DeepSpeed overhead (ZeRO-{ds['zero_stage']}, no heterogeneity, 2 ranks, docs/deepspeed.md)", "",
+                  f"API (hetero.Balance on a DeepSpeed engine, edp, rebalancing every {ds['rebalance_every']} steps) "
+                  f"{1e3 * ds['api_step_s']:.2f} ms/step, plain DeepSpeed through the same DataLoader settings "
+                  f"{1e3 * ds['plain_step_s']:.2f} ms/step: ratio {ds['ratio']:.3f} (median of "
+                  f"{len(ds['pair_ratios'])} back-to-back step pairs; of medians {ds['ratio_of_medians']:.3f}), "
+                  f"{ds['extra_ms_per_step']:+.2f} ms per step", ""]
     if hf := res.get("hf"):
         lines += ["## Hugging Face Trainer (no heterogeneity, 2 ranks, tiny GPT-2)", "",
                   f"HeteroTrainer (edp, rebalancing every {hf['rebalance_every']} steps) "
@@ -245,6 +255,9 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     if "fsdp" in suite.parts:
         res["fsdp_overhead"] = fsdp_overhead.measure(out, suite.subset(2), suite.global_batch(2),
                                                      suite.overhead_epochs, res["notes"])
+    if "deepspeed" in suite.parts and (ds := deepspeed_overhead.measure(out, suite.subset(2), suite.global_batch(2),
+                                                                         suite.overhead_epochs, res["notes"])):
+        res["deepspeed_overhead"] = ds
     if "balancer" in suite.parts:
         print("bench: balancer decisions", flush=True)
         res["balancer"] = simbench.balancer_cost(suite.workers)

@@ -14,11 +14,9 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
-
 from ..core import safeio
 from .launch import clean_env, torchrun_cmd
-from .measure import launch, loop_pair_main
+from .measure import launch, loop_pair_main, pair_summary
 
 REBALANCE_EVERY = 10  # as the DDP API pair (overhead.py): the decisions' gathers are part of the cost
 DIM, BLOCKS = 128, 4
@@ -100,12 +98,7 @@ def measure(out: Path, subset: int, global_batch: int, epochs: int, notes: list[
                             "--epochs", str(epochs)], "hetero.lab.fsdp_overhead"),
            out / "logs" / "fsdp-overhead.log", 900, clean_env(threads="1"), done=res, notes=notes)
     d = json.loads(res.read_text())
-    per = {k: np.concatenate([e[k] for e in d["step_s"][1:]]) for k in ("api", "plain")}
-    ratios = (per["api"] / per["plain"]).tolist()
-    return {"world": 2, "global_batch": global_batch, "ratio": float(np.median(ratios)), "pair_ratios": ratios,
-            "ratio_of_medians": float(np.median(per["api"]) / np.median(per["plain"])),
-            "api_step_s": float(np.median(per["api"])), "plain_step_s": float(np.median(per["plain"])),
-            "extra_ms_per_step": 1e3 * float(np.median(per["api"]) - np.median(per["plain"])),
+    return {"world": 2, "global_batch": global_batch, **pair_summary(d["step_s"], d["steps"]),
             "rebalance_every": REBALANCE_EVERY}
 
 

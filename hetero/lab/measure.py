@@ -87,6 +87,19 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
         ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def pair_summary(step_s: list[dict[str, list[float]]], steps: int) -> dict:
+    """Two interleaved loops' step times (per epoch, {"api": [...], "plain": [...]}) after the first epoch: the median
+    ratio of back-to-back steps (slow changes of load cancel) and the ratio of the median step times."""
+    import numpy as np
+
+    per = {k: np.concatenate([e[k] for e in step_s[1:]]) for k in ("api", "plain")}
+    ratios = (per["api"] / per["plain"]).tolist()
+    return {"ratio": float(np.median(ratios)), "pair_ratios": ratios, "steps": steps,
+            "ratio_of_medians": float(np.median(per["api"]) / np.median(per["plain"])),
+            "api_step_s": float(np.median(per["api"])), "plain_step_s": float(np.median(per["plain"])),
+            "extra_ms_per_step": 1e3 * float(np.median(per["api"]) - np.median(per["plain"]))}
+
+
 def loop_pair_main(module: str, doc: str, worker, argv: list[str] | None = None) -> int:
     """The command line of an overhead worker (`python -m hetero.lab.overhead`, `hetero.lab.fsdp_overhead`): two loops'
     epoch times, measured in turn in the same processes, into --out."""

@@ -18,7 +18,7 @@ def kinds(world: int) -> dict[str, tuple[str, str]]:
             "neighbour": ("busy neighbour on its core", f"{last}:neighbour=busy")}
 
 
-PARTS = ("balance", "outside", "overhead", "fsdp", "balancer", "hf", "recovery", "host")
+PARTS = ("balance", "outside", "overhead", "fsdp", "deepspeed", "balancer", "hf", "recovery", "host")
 
 
 @dataclass(frozen=True, kw_only=True)

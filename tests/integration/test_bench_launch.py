@@ -31,7 +31,7 @@ def test_bench_quickest(tmp_path):
     p = _run([sys.executable, "-m", "hetero.lab.bench", "--quick", "--out", str(out), "--worlds", "2",
               "--slowdowns", "8", "--schemes", "edp", "--epochs", "2", "--steps", "8", "--batch-per-rank", "32",
               "--overhead-epochs", "2", "--max-workers", "16", "--hf-runs", "1", "--hf-steps", "6",
-              "--host-steps", "40", "--parts", "balance,overhead,fsdp,balancer,hf,recovery,host"],
+              "--host-steps", "40", "--parts", "balance,overhead,fsdp,deepspeed,balancer,hf,recovery,host"],
              timeout=420)  # outside: its own test below
     res = json.loads((out / "bench.json").read_text())
     assert "Balance efficiency" in p.stdout and (out / "table.md").exists()
@@ -61,6 +61,12 @@ def test_bench_quickest(tmp_path):
 
     fs = res["fsdp_overhead"]
     assert math.isfinite(fs["ratio"]) and fs["ratio"] > 0 and len(fs["pair_ratios"]) == 8  # epoch 1's steps
+    if importlib.util.find_spec("deepspeed") is not None:  # the [deepspeed] extra: its part runs, or is noted
+        ds = res["deepspeed_overhead"]
+        assert ds["zero_stage"] == 2 and math.isfinite(ds["ratio"]) and ds["ratio"] > 0 and len(ds["pair_ratios"]) == 8
+        assert "## DeepSpeed overhead (ZeRO-2" in (out / "table.md").read_text()
+    else:
+        assert any(n.startswith("deepspeed part skipped") for n in res["notes"])
     dec = res["balancer"]
     assert {(r["rule"], r["workers"]) for r in dec} == {(rule, n) for rule in ("proportional", "affine")
                                                         for n in (2, 4, 8, 16)}

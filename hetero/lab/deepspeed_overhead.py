@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 from ..core import safeio
 from .launch import clean_env, torchrun_cmd
-from .measure import launch, loop_pair_main, pair_summary
+from .measure import launch, loop_pair_main, pair_summary, turns
 
 REBALANCE_EVERY = 10  # as the DDP and FSDP2 pairs: the decisions' gathers are part of the cost
 DIM, BLOCKS, STAGE = 128, 4, 2
@@ -68,22 +67,16 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
                 loader = DataLoader(ds, batch_size=global_batch // world.size, sampler=sampler, drop_last=True)
             loops[kind] = (e, loader)
 
+        def step(kind: str, batch) -> None:
+            e, _ = loops[kind]
+            with bal.step() if kind == "api" else nullcontext():
+                e.backward(F.cross_entropy(e(batch[0]), batch[1]))
+                e.step()
+
         def epoch_s(epoch: int) -> dict[str, list[float]]:
-            """Each loop's step times (s) in one epoch, the two loops taking turns step by step."""
             bal.set_epoch(epoch)
             loops["plain"][1].sampler.set_epoch(epoch)
-            its = {k: iter(loops[k][1]) for k in loops}
-            spent = {k: [] for k in loops}
-            for step in range(len(loops["api"][1])):
-                for kind in (("api", "plain") if step % 2 else ("plain", "api")):
-                    e, _ = loops[kind]
-                    t0 = time.perf_counter()
-                    x, y = next(its[kind])
-                    with bal.step() if kind == "api" else nullcontext():
-                        e.backward(F.cross_entropy(e(x), y))
-                        e.step()
-                    spent[kind].append(time.perf_counter() - t0)
-            return spent
+            return turns({k: loops[k][1] for k in loops}, len(loops["api"][1]), step)
 
         times = [epoch_s(epoch) for epoch in range(epochs)]
         if world.is_main:

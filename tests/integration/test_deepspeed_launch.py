@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -222,12 +221,13 @@ def test_a_run_killed_after_a_mid_epoch_checkpoint_resumes_with_its_shares_and_c
                 assert time.monotonic() < deadline, "no checkpoint and step past it in time"
                 time.sleep(0.05)
         finally:  # the job killed whole, as a scheduler or the OOM killer does: torchrun starts each rank in a
-            tree = [p.pid, *(c.pid for c in psutil.Process(p.pid).children(recursive=True))]  # session of its own
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]  # session of its own
+            for proc in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
             p.wait(timeout=60)
-            assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in tree[1:])
+            _, alive = psutil.wait_procs(tree[1:], timeout=60)  # SIGKILL lands in its time: gone, not at once
+            assert not alive, alive
     saved = int((ckpt / "latest").read_text().strip().removeprefix("global_step"))
     q = bounded([*cmd, "--resume", "--record", str(tmp_path / "resumed")], env, timeout=600)
     assert q.returncode == 0, q.stderr[-6000:]

@@ -172,7 +172,7 @@ def test_the_trainer_moves_micro_batches_to_the_fast_rank(tmp_path):
 
     run = tmp_path / "run"
     run_train([*TINY, "--subset", "1024", "--global-batch", "64", "--micro-batch", "8", "--scheme", "edp",
-               "--hetero", "1:slowdown=3", "--rebalance-every", "4", "--run-dir", str(run)], nproc=2)
+               "--hetero", "1:slowdown=3,1:delay=0.05", "--rebalance-every", "4", "--run-dir", str(run)], nproc=2)
     r = read_run(run)
     assert (r["steps"]["batch_size"] % 8 == 0).all() and (r["steps"]["batch_size"] >= 8).all()
     last = r["ranks"][r["ranks"]["epoch"] == r["ranks"]["epoch"].max()].set_index("rank")

@@ -20,7 +20,7 @@ needs_images = pytest.mark.skipif(
     reason=f"the CIFAR-10 JPEG images are not at {CIFAR_JPG} (see docs/getting-started.md, Tests)")
 SUBSET, B = 192, 32
 ARGS = ["--data", str(CIFAR_JPG / "train"), "--subset", str(SUBSET), "--size", "16", "--global-batch", str(B),
-        "--epochs", "2", "--workers", "2", "--hetero", "1:slowdown=3", "--rebalance-every", "2"]
+        "--epochs", "2", "--workers", "2", "--hetero", "1:slowdown=3,1:delay=0.05", "--rebalance-every", "2"]
 
 
 def _launch(script: str, tmp_path, own_launcher: bool = False) -> list[dict]:

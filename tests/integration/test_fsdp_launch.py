@@ -257,12 +257,13 @@ def _check_balanced(r: list[dict], micro: int) -> None:
 
 @pytest.mark.slow
 def test_the_example_balances_a_slow_rank_and_covers_every_sample(tmp_path):
-    _check_balanced(_example(tmp_path, "lm", "--hetero", "1:slowdown=3", "--rebalance-every", "5"), 0)
+    _check_balanced(_example(tmp_path, "lm", "--hetero", "1:slowdown=3,1:delay=0.05", "--rebalance-every", "5"), 0)
 
 
 @pytest.mark.slow
 def test_the_example_in_micro_batches_learns_like_the_plain_fsdp2_script(tmp_path):
-    r = _example(tmp_path, "micro", "--hetero", "1:slowdown=3", "--rebalance-every", "5", "--micro-batch", "4")
+    r = _example(tmp_path, "micro", "--hetero", "1:slowdown=3,1:delay=0.05", "--rebalance-every", "5",
+                 "--micro-batch", "4")
     _check_balanced(r, 4)
     base = _example(tmp_path, "base", script="fsdp_lm_baseline.py")
     assert base[0]["losses"][1] < base[0]["losses"][0] - 0.3

@@ -137,7 +137,8 @@ def test_the_ported_run_clm_accumulates_per_rank_and_learns(tmp_path):
            "--config_overrides", "n_embd=64,n_layer=2,n_head=2,n_positions=64,resid_pdrop=0,embd_pdrop=0,attn_pdrop=0",
            "--block_size", "32", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
            "--num_train_epochs", "2", "--max_train_samples", "256", "--learning_rate", "3e-3", "--do_train",
-           "--do_eval", "--output_dir", str(out), "--use_cpu", "--hetero", "1:slowdown=3", "--rebalance_every", "5",
+           "--do_eval", "--output_dir", str(out), "--use_cpu", "--hetero", "1:slowdown=3,1:delay=0.05",
+           "--rebalance_every", "5",
            "--logging_steps", "4", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"]
     p = bounded(cmd, {**clean_env(threads="1"), "HF_HUB_OFFLINE": "1"}, timeout=600)
     assert p.returncode == 0, f"run_clm.py exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"

@@ -224,7 +224,7 @@ def test_the_accumulation_example_on_fsdp2_covers_every_sample_and_moves_micro_b
     the slow rank's count of micro-batches falls below the fast rank's, the loss falls."""
     out = tmp_path / "rec"
     p = subprocess.run([sys.executable, str(ROOT / "examples" / "lightning_lm.py"), "--devices", "2", "--fsdp",
-                        "--hetero", "1:slowdown=3", "--subset", "512", "--record", str(out)], cwd=tmp_path,
+                        "--hetero", "1:slowdown=3,1:delay=0.05", "--subset", "512", "--record", str(out)], cwd=tmp_path,
                        env=clean_env(threads="1"), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     ranks = [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]

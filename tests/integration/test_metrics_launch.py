@@ -75,7 +75,7 @@ def test_hf_trainer_reports_the_hetero_scalars_to_tensorboard(tmp_path):
     out = tmp_path / "hf"
     _launch("hf_trainer.py", ["--text", str(ROOT / "docs" / "trainer.md"), "--subset", "192", "--global-batch", "16",
                               "--epochs", "1", "--log-every", "2", "--rebalance-every", "3", "--hetero",
-                              "1:slowdown=3", "--out", str(out), "--report-to", "tensorboard"])
+                              "1:slowdown=3,1:delay=0.05", "--out", str(out), "--report-to", "tensorboard"])
     tb = scalars(out)
     logged = sorted(tb["train/loss"])  # the Trainer's own scalar: the hetero/ ones come at the same logging steps
     assert logged == [2, 4, 6, 8, 10, 12]
@@ -97,7 +97,8 @@ def test_lightning_logs_the_hetero_scalars_through_its_logger(tmp_path):
             Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(data / f"c{c}" / f"{i}.png")
     logs = tmp_path / "logs"
     _launch("lightning_example.py", ["--data", str(data), "--epochs", "2", "--global-batch", "32", "--size", "16",
-                                     "--workers", "0", "--cpu", "--rebalance-every", "2", "--hetero", "1:slowdown=3",
+                                     "--workers", "0", "--cpu", "--rebalance-every", "2",
+                                     "--hetero", "1:slowdown=3,1:delay=0.05",
                                      "--log-dir", str(logs)])
     csvs = sorted(logs.rglob("metrics.csv"))
     assert len(csvs) == 1, csvs  # rank 0 only

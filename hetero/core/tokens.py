@@ -86,6 +86,33 @@ def check_lengths(lengths, samples: int | None = None) -> np.ndarray:
     return a.astype(np.int64)
 
 
+def budget_steps(lengths, budget: int) -> np.ndarray:
+    """Steps of a token budget: the boundaries (into `lengths`, in the order drawn) of consecutive runs of samples whose
+    tokens sum to at most `budget`, each closed where the next sample would overflow it. The run the data ends in is
+    left out unless it fills the budget exactly (as the N mod B samples past the last whole step of B are). Which
+    samples form a step depends on the lengths, their order and the budget only: never on the ranks, their speeds or
+    their memory.
+
+    Returns [steps + 1] offsets: step s is lengths[offsets[s]:offsets[s + 1]].
+    """
+    L = check_lengths(lengths)
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
+        raise ValueError(f"hetero: the token budget must be a whole number of tokens >= 1 (got {budget!r})")
+    if (over := np.flatnonzero(L > budget)).size:
+        i = int(over[0])
+        raise ValueError(f"hetero: sample {i} is {int(L[i])} tokens long, more than the step's token budget of "
+                         f"{budget}: raise the budget to at least {int(L.max())}")
+    offsets, total = [0], 0
+    for j, length in enumerate(L.tolist()):
+        if total + length > budget:
+            offsets.append(j)
+            total = 0
+        total += length
+    if total == budget:  # the data ends on a full step
+        offsets.append(L.size)
+    return np.asarray(offsets, dtype=np.int64)
+
+
 def _coefficients(n_ranks: int, fixed_s, per_unit_s, caps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     a = np.broadcast_to(np.asarray(fixed_s, dtype=float), (n_ranks,)).copy()
     c = np.broadcast_to(np.asarray(per_unit_s, dtype=float), (n_ranks,)).copy()

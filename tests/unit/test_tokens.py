@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hetero.core import partition
-from hetero.core.tokens import Cost, check_lengths, micro_batches, split, times
+from hetero.core.tokens import Cost, budget_steps, check_lengths, micro_batches, split, times
 
 COSTS = [Cost("padded"), Cost("padded", attention=1e-3), Cost("packed"), Cost("packed", attention=1e-3)]
 
@@ -195,3 +195,26 @@ def test_micro_batches_fit_the_cap_and_cover_each_row_once(collator):
             assert tokens <= cap
     with pytest.raises(ValueError, match="^hetero: sample 1 is 700 tokens long, more than this rank's cap of 512$"):
         micro_batches([10, 700], 512, cost)
+
+
+def test_budget_steps_close_before_an_overflow_and_leave_out_the_unfinished_end():
+    # runs: 5+4 (the 2 would overflow 10), 2+6+1+1 = 10, then 3+2 unfinished at the end: left out
+    assert budget_steps([5, 4, 2, 6, 1, 1, 3, 2], 10).tolist() == [0, 2, 6]
+    assert budget_steps([5, 4, 2, 6, 1, 1, 3, 7], 10).tolist() == [0, 2, 6, 8]  # the end fills it exactly: kept
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        lengths, budget = _long_tailed(rng, 500), int(rng.integers(1024, 8192))
+        off = budget_steps(lengths, budget)
+        sums = np.array([lengths[a:b].sum() for a, b in zip(off[:-1], off[1:])])
+        assert len(sums) >= 4 and np.all(sums <= budget) and np.all(np.diff(off) >= 1)
+        after = np.append(lengths, budget + 1)[off[1:]]  # the sample after each step (none after the data's end)
+        assert np.all(sums + after > budget)  # each step closed only where the next sample overflowed it
+        assert lengths[off[-1]:].sum() <= budget  # what is left out would not have filled a step
+
+
+def test_a_sample_over_the_token_budget_is_refused_by_position_and_length():
+    with pytest.raises(ValueError, match=r"^hetero: sample 1 is 40 tokens long, more than the step's token budget "
+                                         r"of 32: raise the budget to at least 40$"):
+        budget_steps([8, 40, 8], 32)
+    with pytest.raises(ValueError, match="^hetero: the token budget must be a whole number of tokens >= 1"):
+        budget_steps([8], 0)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .partition import fit_stats, window_stats
+
 COLLATORS = ("padded", "packed")
 MAX_PERMUTED = 3  # padded rows: ranks up to which split tries every order of them (3! = 6 searches)
 EXCHANGES = 64  # packed rows: at most this many moves or swaps after the search
@@ -324,3 +326,35 @@ def micro_batches(lengths, cap: float, cost: Cost = Cost()) -> list[np.ndarray]:
         out.append(np.sort(perm[pos:pos + k]))
         pos += k
     return out
+
+
+class CostModel:
+    """Each rank's t_i = fixed_i + per_unit_i x work, fitted online from its measured step times: the affine
+    balancer's least-squares fit (partition.window_stats, fit_stats) on cost units in place of samples, pooled over
+    the last `windows_kept` windows. Lengths vary from step to step, so every window holds many amounts of work and
+    the fixed part separates from the per-unit cost without the affine rule's probe.
+
+    The prior, before a rank has been timed: no fixed part and `prior_per_unit_s` per unit, the same for every rank,
+    so the first steps split by equal cost, as transformers' BatchRebalanceSampler does. A rank that sat every
+    observed step out keeps its last estimate (or the prior)."""
+
+    def __init__(self, world: int, prior_per_unit_s: float = 1e-6, windows_kept: int = 4):
+        if not (np.isfinite(prior_per_unit_s) and prior_per_unit_s > 0):
+            raise ValueError(f"hetero: the prior cost per token must be finite and > 0 (got {prior_per_unit_s!r})")
+        self.world, self.windows_kept = world, windows_kept
+        self.fixed_s = np.zeros(world)
+        self.per_unit_s = np.full(world, float(prior_per_unit_s))
+        self._windows: list[np.ndarray] = []
+
+    def observe(self, work, compute_s) -> None:
+        """One window of steps: [steps, world] cost units and measured compute times (a rank without rows: work 0)."""
+        self._windows = [*self._windows, window_stats(work, compute_s)][-self.windows_kept:]
+        pooled = np.sum(self._windows, axis=0)
+        seen = pooled[0] > 0
+        a, c = fit_stats(pooled)
+        ok = seen & np.isfinite(a) & np.isfinite(c) & (c > 0)
+        self.fixed_s = np.where(ok, np.maximum(a, 0.0), self.fixed_s)
+        self.per_unit_s = np.where(ok, c, self.per_unit_s)
+
+    def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.fixed_s.copy(), self.per_unit_s.copy()

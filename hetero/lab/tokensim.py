@@ -1,0 +1,129 @@
+"""Variable-length steps in simulation (issue 49): how each way of splitting a step's samples fares when a rank's time
+follows the tokens it draws. No processes, no torch: the ranks' true costs are known, so the ideal is too.
+
+Rank i takes fixed_s_i + per_unit_s_i x work(its rows) seconds a step (hetero.core.tokens.Cost: padded or packed, with
+an attention term), times lognormal noise (mean 1). Each step's B samples are the next B of one shared permutation
+(the same for every policy); a step lasts as long as its slowest rank. Policies:
+- equal: B / W samples a rank in the order drawn (DistributedSampler);
+- batch_rebalance: equal cost per rank by transformers' fixed formula (rows x longest + 0.001 x rows x longest²),
+  blind to the ranks' speeds (BatchRebalanceSampler, one micro-batch a rank);
+- samples: hetero by counts (today's): the affine balancer's counts, in the order drawn, re-decided every K steps;
+- tokens: hetero by cost: tokens.split with each rank's cost model fitted online (tokens.CostModel) every K steps;
+- ideal: tokens.split with the true coefficients, under the same noise (the denominator).
+
+    python -m hetero.lab.tokensim            # the table for equal ranks and rank 1 three times slower
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.balancer import Balancer
+from ..core.tokens import Cost, CostModel, split, times
+
+POLICIES = ("equal", "batch_rebalance", "samples", "tokens")
+HF_COST = Cost("padded", attention=0.001)  # BatchRebalanceSampler's QUADRATIC_COST_COEF
+
+
+@dataclass
+class TokenScenario:
+    """True per-rank costs, the collator's cost, the lengths' distribution and the noise."""
+    fixed_s: np.ndarray
+    per_unit_s: np.ndarray
+    cost: Cost = Cost("padded", attention=0.001)
+    median: float = 64.0      # lognormal lengths: median, log-space sigma, capped
+    sigma: float = 1.0
+    cap: int = 1024
+    noise: float = 0.05
+
+    def __post_init__(self):
+        self.fixed_s = np.asarray(self.fixed_s, float)
+        self.per_unit_s = np.broadcast_to(np.asarray(self.per_unit_s, float), self.fixed_s.shape).copy()
+
+    @property
+    def world(self) -> int:
+        return self.fixed_s.size
+
+    def lengths(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.minimum(np.round(rng.lognormal(np.log(self.median), self.sigma, n)).astype(np.int64) + 1, self.cap)
+
+
+def _rows(policy: str, lengths: np.ndarray, world: int, model: CostModel, counts: np.ndarray,
+          cost: Cost) -> list[np.ndarray]:
+    """Each rank's positions in the step for one policy."""
+    if policy == "equal":
+        return np.array_split(np.arange(lengths.size), world)
+    if policy == "samples":
+        return np.split(np.arange(lengths.size), np.cumsum(counts)[:-1])
+    if policy == "batch_rebalance":
+        return split(lengths, np.zeros(world), np.ones(world), HF_COST)
+    return split(lengths, *model.coefficients(), cost)
+
+
+def simulate(sc: TokenScenario, policy: str, global_batch: int, steps: int, rebalance_every: int = 10,
+             seed: int = 0) -> dict:
+    """One policy over `steps` steps; the same seed draws the same lengths and noise for every policy. Returns the
+    total time, the ideal's, the mean wait per step (the slowest rank's time less the mean) and each rank's mean
+    share of the tokens."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+    rng = np.random.default_rng(seed)
+    W = sc.world
+    lengths = sc.lengths(rng, steps * global_batch)
+    noise = np.exp(sc.noise * rng.standard_normal((steps, W)) - sc.noise ** 2 / 2)
+    model = CostModel(W)
+    counts_bal = Balancer("affine", W, global_batch)
+    work_w, time_w, size_w = [], [], []
+    total = ideal = wait = 0.0
+    tokens = np.zeros(W)
+    for s in range(steps):
+        L = lengths[s * global_batch:(s + 1) * global_batch]
+        rows = _rows(policy, L, W, model, counts_bal.sizes_for_step(s), sc.cost)
+        work = np.array([sc.cost.work(L[p]) for p in rows])
+        t = np.where([len(p) > 0 for p in rows], sc.fixed_s + sc.per_unit_s * work, 0.0) * noise[s]
+        best = times(L, split(L, sc.fixed_s, sc.per_unit_s, sc.cost), sc.fixed_s, sc.per_unit_s, sc.cost) * noise[s]
+        total, ideal, wait = total + t.max(), ideal + best.max(), wait + t.max() - t.mean()
+        tokens += [L[p].sum() for p in rows]
+        work_w.append(work)
+        time_w.append(t)
+        size_w.append([len(p) for p in rows])
+        if (s + 1) % rebalance_every == 0:
+            if policy == "tokens":
+                model.observe(np.array(work_w), np.array(time_w))
+            if policy == "samples":
+                counts_bal.observe(np.array(size_w), np.array(time_w))
+                counts_bal.decide()
+            work_w, time_w, size_w = [], [], []
+    return {"policy": policy, "over_ideal": total / ideal, "step_s": total / steps, "ideal_step_s": ideal / steps,
+            "wait_s": wait / steps, "token_shares": (tokens / tokens.sum()).tolist()}
+
+
+def table(global_batch: int = 64, steps: int = 400, seed: int = 0) -> list[dict]:
+    """Equal ranks and rank 1 three times slower, padded and packed: every policy on the same draws."""
+    rows = []
+    for collator in ("padded", "packed"):
+        for label, per_unit in (("equal", [1e-6, 1e-6]), ("rank 1 3x slower", [1e-6, 3e-6])):
+            sc = TokenScenario([2e-3, 2e-3], per_unit, cost=Cost(collator, attention=0.001))
+            for policy in POLICIES:
+                rows.append({"collator": collator, "ranks": label,
+                             **simulate(sc, policy, global_batch, steps, seed=seed)})
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print("| collator | ranks | policy | time / ideal | wait per step (ms) | rank 1's token share |")
+    print("|---|---|---|---|---|---|")
+    for r in table(a.global_batch, a.steps, a.seed):
+        print(f"| {r['collator']} | {r['ranks']} | {r['policy']} | {r['over_ideal']:.3f} | {1e3 * r['wait_s']:.2f} | "
+              f"{r['token_shares'][1]:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

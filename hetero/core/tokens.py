@@ -185,15 +185,17 @@ class _Search:
 
 
 def _greedy(desc: np.ndarray, a, c, cap, cost: Cost) -> list[list[int]] | None:
-    """Packed rows: each sample, longest first, onto the rank that would then finish first (ties: the lower rank)."""
-    n_ranks = a.size
-    work = np.zeros(n_ranks)
-    rows: list[list[int]] = [[] for _ in range(n_ranks)]
-    for j, length in enumerate(desc):
+    """Packed rows: each sample, longest first, onto the rank that would then finish first (ties: the lower rank).
+    Python floats, not numpy: one sample at a time over a handful of ranks is cheaper without arrays."""
+    a_, c_, cap_ = a.tolist(), c.tolist(), cap.tolist()
+    ranks = range(len(a_))
+    work = [0.0] * len(a_)
+    rows: list[list[int]] = [[] for _ in ranks]
+    for j, length in enumerate(desc.tolist()):
         unit = length * (1.0 + cost.attention * length)
-        t = np.where(cap >= length, a + c * (work + unit), np.inf)
-        r = int(np.argmin(t))
-        if not np.isfinite(t[r]):
+        best, r = min(((a_[q] + c_[q] * (work[q] + unit), q) for q in ranks if cap_[q] >= length),
+                      default=(None, -1))
+        if best is None:
             return None
         work[r] += unit
         rows[r].append(j)

@@ -14,6 +14,9 @@ from torch.utils.data import DataLoader, Dataset
 import hetero
 
 N, B = 256, 32
+# rank 1 3x slower and 50 ms a step more: the 3x of a step of microseconds alone is below a busy host's noise, and
+# the tests check that the shares move
+SLOW = "1:slowdown=3,1:delay=0.05"
 
 
 class Indexed(Dataset):
@@ -35,7 +38,7 @@ class Module(L.LightningModule):
     def _balance(self):
         if self.bal is None:  # --inside: built in this launched process
             self.bal = hetero.Balance(scheme="dp", global_batch=B, rebalance_every=2)
-            self.bal.emulate("1:slowdown=3")
+            self.bal.emulate(SLOW)
         return self.bal
 
     def train_dataloader(self):
@@ -63,7 +66,7 @@ if __name__ == "__main__":
     bal = None
     if not inside:  # built before Lightning's launcher starts the processes: the world comes in the callback's setup
         bal = hetero.Balance(scheme="dp", global_batch=B, rebalance_every=2)
-        bal.emulate("1:slowdown=3")
+        bal.emulate(SLOW)
     trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=2, use_distributed_sampler=False,
                         strategy=DDPStrategy(start_method="spawn" if "--spawn" in sys.argv else "popen"),
                         callbacks=[] if inside else [hetero.BalanceCallback(bal)], logger=False,

@@ -23,6 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 import hetero
 
 N, M = 256, 4  # 8 steps per epoch of the default global batch 32; micro-batches of 4
+# rank 1 3x slower and 50 ms a step more: the 3x of a step of microseconds alone is below a busy host's noise, and
+# the tests check that the shares move
+SLOW = "1:slowdown=3,1:delay=0.05"
 
 
 class Indexed(Dataset):
@@ -90,7 +93,7 @@ def main(out: str, folder: Path, phase: str, mode: str, global_batch: int) -> in
     torch.set_num_threads(1)
     bal = hetero.Balance(scheme="dp", global_batch=global_batch, rebalance_every=2,
                          micro_batch=0 if mode == "batch" else M)
-    bal.emulate("1:slowdown=3")
+    bal.emulate(SLOW)
     if mode == "nobreak":
         bal.replay({e: np.array([[8, 24]] * (N // global_batch)) for e in range(2)})
     save = ModelCheckpoint(dirpath=folder, filename="step{step}", every_n_train_steps=11, save_top_k=-1)

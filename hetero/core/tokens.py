@@ -219,9 +219,11 @@ def split(lengths, fixed_s, per_unit_s, cost: Cost = Cost(), caps=None, min_rows
     rank can hold, in tokens (None: no cap). Every position lands on exactly one rank, at least min_rows on each.
     """
     L = check_lengths(lengths)
-    n_ranks = np.size(np.broadcast(np.asarray(fixed_s, float), np.asarray(per_unit_s, float)))
-    if caps is not None:
-        n_ranks = max(n_ranks, np.size(caps))
+    given = [np.atleast_1d(np.asarray(v, dtype=float)) for v in (fixed_s, per_unit_s, caps) if v is not None]
+    n_ranks = max(v.size for v in given)
+    if any(v.ndim != 1 or v.size not in (1, n_ranks) for v in given):
+        raise ValueError(f"hetero: fixed_s, per_unit_s and caps take one number per rank, or one for every rank (got "
+                         f"{', '.join(str(v.size) for v in given)} numbers)")
     a, c, cap = _coefficients(n_ranks, fixed_s, per_unit_s, caps)
     if isinstance(min_rows, bool) or not isinstance(min_rows, numbers.Integral) or min_rows < 0:
         raise ValueError(f"hetero: min_rows must be a whole number >= 0 (got {min_rows!r})")

@@ -185,6 +185,9 @@ def test_bad_costs_and_coefficients_are_one_line():
         Cost("padded", attention=-1)
     with pytest.raises(ValueError, match="^hetero: the ranks' fixed costs must be finite"):
         split([1, 2], [0, 0], [1e-5, 0])
+    with pytest.raises(ValueError, match=r"^hetero: fixed_s, per_unit_s and caps take one number per rank, or one "
+                                         r"for every rank \(got 2, 3 numbers\)$"):
+        split([1, 2, 3], [0, 0], [1, 1, 1])
     with pytest.raises(ValueError, match="^hetero: a step of 3 samples cannot give 2 ranks 2 each"):
         split([1, 2, 3], [0, 0], [1, 1], min_rows=2)
 

@@ -240,12 +240,17 @@ class Group:
         self.watcher: subprocess.Popen | None = None
         _make_base(h)
         sweep(h.base)
+        # the watcher first, then the group: a SIGKILL that lands between the two (a launcher's death kills the rank
+        # by PR_SET_PDEATHSIG) must find a watcher, which removes the group if it was made and ends if it was not.
+        # Started before the move, it stays outside the quota, in the rank's old group.
+        self.watcher = _watch(self.path)
         try:
             self.path.mkdir()
-        except OSError as e:
+        except OSError as e:  # not ours to remove (it may exist): the watcher goes, the folder stays
+            stop_busy(self.watcher)
+            self.watcher = None
             raise StragglerError(_cannot(self.path, e)) from None
         try:
-            self.watcher = _watch(self.path)  # before the move: it stays outside the quota, in the rank's old group
             us = max(MIN_QUOTA_US, round(quota * period_us))
             if h.version == 1:
                 if not (self.path / "cpu.cfs_quota_us").is_file():

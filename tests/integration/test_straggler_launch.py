@@ -102,6 +102,33 @@ def test_a_group_whose_watcher_was_killed_too_is_swept_at_the_next_start(group):
     assert q.wait() == 0 and not Path(path).exists()
 
 
+# A rank SIGKILLed the moment its group exists (its launcher died in its set-up): mkdir is wrapped so that the process
+# kills itself right after making the group, before anything else of the set-up runs.
+KILLED_AT_MKDIR = """import os, pathlib, signal, sys
+from hetero.trainer import straggler
+made = pathlib.Path.mkdir
+def mkdir(self, *a, **k):
+    made(self, *a, **k)
+    if self.name.startswith('r1-p'):
+        print(self, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+pathlib.Path.mkdir = mkdir
+straggler.setup(sys.argv[1], rank=1)
+"""
+
+
+def test_a_rank_killed_as_soon_as_its_group_exists_leaves_no_group(group):
+    """The watcher is started before the group is made, so no moment of the set-up leaves a group without one (it
+    was made after the group, and a SIGKILL between the two left the group behind: a .ci/run on 2026-12-05 caught
+    it through the agent's SIGKILL in set-up, below)."""
+    env = {**clean_env(), straggler.ENV_CGROUP: str(group)}
+    p = subprocess.Popen([sys.executable, "-c", KILLED_AT_MKDIR, "1:quota=0.5"], env=env, stdout=subprocess.PIPE,
+                         text=True)
+    path = Path(p.stdout.readline().strip())
+    assert p.wait() == -signal.SIGKILL and path.parent == group
+    assert _gone(path), "the group of a rank killed in its set-up was left behind"
+
+
 def _trainer_pids(agent: int) -> list[int]:
     return [c.pid for c in psutil.Process(agent).children(recursive=True)
             if "hetero.trainer" in " ".join(c.cmdline())]

@@ -24,9 +24,10 @@ from .settings import Settings
 
 
 def bind(current: Engine | None, settings: Settings, rank: int, world: int, hetero: str,
-         replay: dict[int, np.ndarray] | None, length: int) -> Engine:
+         replay: dict[int, np.ndarray] | None, length: int, lengths: tuple | None = None) -> Engine:
     """The engine of rank `rank` in a world of `world` (the current one if it is that world's); `length`: the
-    epoch's n_samples given before the world was known (0: none yet)."""
+    epoch's n_samples given before the world was known (0: none yet); `lengths`: batch_sampler's (lengths,
+    loss_tokens, seed) then, by tokens."""
     if current is not None:
         p = current.plan
         if (rank, world) != (p.rank, p.world):
@@ -38,7 +39,7 @@ def bind(current: Engine | None, settings: Settings, rank: int, world: int, hete
         raise ValueError(f"rank {rank} outside a world of {world}")
     e = build(settings, rank, world, hetero, replay)
     if length:
-        e.plan.schedule.set_length(length)
+        e.plan.schedule.set_length(length, lengths)
     fit(replay, world, e.plan.schedule.steps_per_epoch)  # a record of another world's ranks is refused here
     return e
 

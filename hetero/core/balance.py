@@ -35,7 +35,7 @@ from .records import Decision, Position, StepRecord
 from .replay import recorded
 from .rules import whole
 from .sampler import BalancedBatchSampler
-from .schedule import epoch_length
+from .schedule import by_tokens, epoch_length
 from .settings import Settings
 
 __all__ = ["Balance"]
@@ -62,6 +62,10 @@ class Balance:
         micro_batch: m > 0: every micro-batch is m samples and each rank runs its own count k_i >= 1 per step.
         worker_id: this worker's identity, which its estimate is kept under across restarts and changes of world
             size (None: HETERO_WORKER_ID, else host and device).
+        collator: "padded" or "packed" (DataCollatorWithFlattening): split each step by its samples' cost, from
+            batch_sampler's lengths and each rank's fitted per-token cost (docs/tokens.md); None: by counts.
+        attention: with collator, a squared length's weight against a length in a row's cost.
+        loss_mean: "samples" (weights b_i/B) or, with collator, "tokens" (a token-mean loss: weights n_i/N).
 
     Raises:
         ValueError: a setting out of range, in one line.
@@ -70,14 +74,16 @@ class Balance:
     def __init__(self, *, global_batch: int, scheme: str = "edp", rebalance_every: int = 0, smoothing: float = 0.0,
                  deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1,
                  max_batch: int | str | Sequence | None = None, seed: int = 0, lag: int | None = None,
-                 sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None):
+                 sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None,
+                 collator: str | None = None, attention: float = 0.0, loss_mean: str = "samples"):
         self.settings = Settings(global_batch=global_batch, scheme=scheme, rebalance_every=rebalance_every,
                                  smoothing=smoothing, deadband=deadband, significance=significance,
                                  min_batch=min_batch, max_batch=max_batch, seed=seed, lag=lag, sit_out=sit_out,
-                                 micro_batch=micro_batch, worker_id=worker_id)
+                                 micro_batch=micro_batch, worker_id=worker_id, collator=collator,
+                                 attention=attention, loss_mean=loss_mean)
         self._hetero, self._replay, self._probed = "", None, False
         self._engine: Engine | None = None
-        self._length = 0  # batch_sampler's n_samples, kept for a world bound after it
+        self._data: tuple = (0, None)  # batch_sampler's n_samples and by_tokens', kept for a world bound after it
         if (known := launcher_world()) is not None:
             self.set_world(*known)
 
@@ -89,7 +95,7 @@ class Balance:
         Raises:
             HeteroError: the Balance is already bound to another rank or world.
         """
-        self._engine = bind(self._engine, self.settings, rank, world, self._hetero, self._replay, self._length)
+        self._engine = bind(self._engine, self.settings, rank, world, self._hetero, self._replay, *self._data)
 
     @property
     def engine(self) -> Engine:
@@ -171,19 +177,26 @@ class Balance:
         self._guard = attach(self.engine, model, self._probed)
 
     # -- the epoch and its steps -----------------------------------------------------------------------------
-    def batch_sampler(self, n_samples: int, seed: int | None = None) -> BalancedBatchSampler:
+    def batch_sampler(self, n_samples: int, seed: int | None = None, *, lengths: Sequence[int] | None = None,
+                      loss_tokens: Sequence[int] | None = None) -> BalancedBatchSampler:
         """The one way to give the epoch's length: per-step index lists for this rank, its slice of each step's
         window of one shared permutation (floor(n_samples / global_batch) steps on every rank). A loop cutting its
         own batches takes the sampler's `plan(epoch)` and `bal.sizes_at` instead of iterating it.
 
+        Args:
+            lengths: with collator (only then), every sample's length in tokens: each step's window is split by cost.
+            loss_tokens: with loss_mean "tokens", the tokens each sample's loss counts (None: its length).
+
         Raises:
-            ValueError: n_samples below the global batch.
+            ValueError: n_samples below the global batch; lengths without collator or the reverse; bad counts.
         """
-        self._length = epoch_length(self.settings, n_samples)  # the world may bind later (Lightning's launcher)
+        length = epoch_length(self.settings, n_samples)
+        seed = self.settings.seed if seed is None else whole("seed", seed, 0)
+        # checked before any collective; kept for a world bound later (Lightning's launcher)
+        self._data = (length, by_tokens(self.settings, length, lengths, loss_tokens, seed))
         if self._engine is not None:
-            self._engine.plan.schedule.set_length(n_samples)
-        return BalancedBatchSampler(self._plan, self._length, self.settings.seed if seed is None else
-                                    whole("seed", seed, 0), self.set_epoch)
+            self._engine.plan.schedule.set_length(*self._data)
+        return BalancedBatchSampler(self._plan, length, seed, self.set_epoch)
 
     def _plan(self) -> Plan:
         return self.engine.plan

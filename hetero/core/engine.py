@@ -116,7 +116,8 @@ class Engine:
         p = self.plan
         return {"rank": p.rank, "world": p.world, "version": __version__, **p.settings.shared(),
                 "n_samples": p.schedule.n_samples, "epoch": p.at.epoch, "hetero": self._hetero,
-                "replay": p.schedule.replayed is not None, "max_batch": p.schedule.limits}
+                "replay": p.schedule.replayed is not None, "max_batch": p.schedule.limits,
+                "lengths": p.schedule.digest()}
 
     def _agree(self, where: str) -> None:
         if _together():
@@ -192,6 +193,14 @@ class Engine:
         k = b // m if m else 1
         # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
         weight = (m or b) / s.global_batch if s.weighted else 1.0 / (p.world * k)
+        work = None
+        if s.by_tokens:  # each rank's rows cost what their lengths say; a token-mean loss weighs n_i / N
+            work, counted = sched.work_at(epoch, index)
+            if s.loss_mean == "tokens":
+                if not counted.sum():
+                    _stop(f"hetero: step {index} of epoch {epoch} has no token its loss counts (every loss_tokens "
+                          f"of its samples is 0): a token-mean loss over none is undefined")
+                weight = float(counted[rank]) / float(counted.sum())
         if link.model is not None:
             self._cleared()
             link.since_opt += 1
@@ -199,7 +208,7 @@ class Engine:
             self._emulator.start_epoch(epoch)
             self._drawn = epoch
         sched.last = sizes
-        self._step = Step(epoch, index, sizes, rank, weight, k, link.device)
+        self._step = Step(epoch, index, sizes, rank, weight, k, link.device, work)
         link.sync_now = k <= 1
         return sizes
 

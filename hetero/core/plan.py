@@ -15,11 +15,13 @@ import torch
 from .agree import gather_rows, guarded, remap_identities
 from .balancer import Balancer
 from .cpuquota import own_quota
+from .partition import batch_sizes
 from .records import Decision, StepRecord
 from .rules import whole
 from .schedule import ENDLESS, SizeSchedule
 from .settings import Settings
 from .step import Step
+from .tokens import CostModel
 
 STATE_VERSION = 3   # state_dict's format: 2 holds the position and the window's observations itself; 3 saves a
                     # complete epoch as step = steps_per_epoch (2 saved it as step 0, which also meant "not begun")
@@ -47,6 +49,8 @@ class Plan:
                                   granularity=max(settings.micro_batch, 1), smoothing=settings.smoothing,
                                   deadband=settings.deadband, significance=settings.significance,
                                   sit_out=settings.sit_out)
+        # by tokens: every rank's fixed and per-token cost, fitted at each decision (the regimes copy it)
+        self._costs = CostModel(world) if settings.by_tokens else None
         self._quota = own_quota()  # this rank's CFS quota (s of CPU per period s; inf: none), gathered at decisions
         self.at = At()
         self._decisions: list[Decision] = []
@@ -56,7 +60,7 @@ class Plan:
         # shares with as many steps as the window has, but a resumed window may hold it alone (#48 item 2)
         self._warming, self._cold = False, None
         self._new_epoch()
-        self.schedule.reset(self._balancer)
+        self.schedule.reset(self._balancer, self._costs)
 
     @property
     def decisions(self) -> list[Decision]:
@@ -92,7 +96,7 @@ class Plan:
         for s in self._unread:
             compute, wait = s.clock.read()
             self._records.append(StepRecord(self.at.epoch, s.index, s.sizes, compute, wait, s.delay_s,
-                                            s.clock.cpu_s(), s.clock.started))
+                                            s.clock.cpu_s(), s.clock.started, s.work))
             if self._warming:
                 self._cold, self._warming = self._records[-1], False
         self._unread.clear()
@@ -122,12 +126,21 @@ class Plan:
         paces = rows[:, 2 * n + 2][np.isfinite(rows[:, 2 * n + 2])]
         if len(paces) and n:  # the steps' pace beyond their slowest compute: the all-reduce, the loop's own time
             b.overhead_s = max(float(np.median(paces) - compute.max(1).mean()), 0.0)
-        b.observe(np.stack([r.sizes for r in window]), compute, cpu)
-        changed = b.decide()
+        if self._costs is not None:  # by tokens: the cost model learns, the split follows each step's lengths
+            before = self._costs.per_unit_s
+            self._costs.observe(np.stack([r.work for r in window]), compute)
+            changed = not np.array_equal(before, self._costs.per_unit_s)
+            shares = self._costs.shares()
+            sizes, chosen, even, noise = batch_sizes(shares, self.settings.global_batch, self.settings.min_batch,
+                                                     None), None, None, None
+        else:
+            b.observe(np.stack([r.sizes for r in window]), compute, cpu)
+            changed = b.decide()
+            shares, sizes, noise = b.shares, b.sizes, b.window_noise_s
+            chosen, even = b.predicted() or (None, None)  # the read-out's numbers, kept with the decision
         at = sched.adopt(sched.index(self.at.epoch, step), furthest)
-        chosen, even = b.predicted() or (None, None)  # the read-out's numbers, kept with the decision
-        d = Decision(self.at.epoch, step, at, b.sizes.tolist(), b.shares.tolist(), compute.mean(0).tolist(), chosen,
-                     even, b.window_noise_s, changed)
+        d = Decision(self.at.epoch, step, at, sizes.tolist(), shares.tolist(), compute.mean(0).tolist(), chosen,
+                     even, noise, changed)
         self._decisions.append(d)
         return d
 
@@ -150,7 +163,10 @@ class Plan:
         own = torch.tensor([*(r.compute_s for r in window), *(r.cpu_s for r in window)], dtype=torch.float64)
         rows = (guarded(gather_rows, own, coll) if self.world > 1 else own[None]).numpy()
         self._window = len(self._records)
-        self._balancer.observe(np.stack([r.sizes for r in window]), rows[:, :n].T, rows[:, n:].T)
+        if self._costs is not None:
+            self._costs.observe(np.stack([r.work for r in window]), rows[:, :n].T)
+        else:
+            self._balancer.observe(np.stack([r.sizes for r in window]), rows[:, :n].T, rows[:, n:].T)
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     def state_dict(self, coll: torch.device) -> dict:
@@ -160,7 +176,8 @@ class Plan:
         return {"version": STATE_VERSION, "balancer": self._balancer.state_dict(), "epoch": at.epoch,
                 "step": at.step if at.started else 0, "global_step": at.global_step, "identities": self.identities,
                 "steps_per_epoch": sched.steps_per_epoch,
-                "regimes": sched.regimes_state(sched.index(at.epoch, at.step))}
+                "regimes": sched.regimes_state(sched.index(at.epoch, at.step)),
+                **({"costs": self._costs.state_dict()} if self._costs is not None else {})}
 
     def load_state_dict(self, state: dict, identities: list[str] | None) -> None:
         """Resume: the balancer (carried over by worker identity to this world's, when known) and the position."""
@@ -169,8 +186,8 @@ class Plan:
             raise ValueError(f"a state of the global batch {b}, but this Balance's is {self.settings.global_batch}: "
                              f"resume with global_batch={b}")
         m = self.settings.micro_batch
-        odd = [v for v in [saved["sizes"], *(r[1]["sizes"] for r in state.get("regimes") or [])] if m and
-               any(int(x) % m for x in v)]
+        odd = [v for v in [saved["sizes"], *(r[1]["sizes"] for r in state.get("regimes") or [] if "sizes" in r[1])]
+               if m and any(int(x) % m for x in v)]
         if odd:  # its sizes would cut this run's steps into parts of micro-batches
             raise ValueError(f"a state of batch sizes {[int(x) for x in odd[0]]}, not whole micro-batches of {m}: "
                              f"resume with the micro_batch it was saved with")
@@ -182,6 +199,11 @@ class Plan:
             self._balancer.load_state_dict(saved)
         else:
             self._balancer.load_remapped(saved, src)
+        if (self._costs is not None) != ("costs" in state):
+            raise ValueError("a state saved splitting by counts, resumed splitting by tokens (or the other way): "
+                             "resume with the collator it was saved with")
+        if self._costs is not None:
+            self._costs.load_state_dict(state["costs"], None if same else src)
         epoch, step = whole("epoch", state["epoch"], 0), whole("step", state.get("step", 0), 0)
         spe, own = state.get("steps_per_epoch"), sched.steps_per_epoch
         if step and own and spe not in (None, own):
@@ -191,7 +213,7 @@ class Plan:
         if step and not (step < (own or ENDLESS) or complete):
             raise ValueError(f"a mid-epoch state at step {step} of an epoch of {own} steps")
         global_step = whole("global_step", state["global_step"], 0)
-        sched.reset(self._balancer)
+        sched.reset(self._balancer, self._costs)
         if same and state.get("regimes") and spe in (None, own):  # else: from the balancer alone
             sched.load_regimes(state["regimes"])
         self._new_epoch()

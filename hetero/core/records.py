@@ -17,6 +17,7 @@ class StepRecord:
     delay_s: float       # the emulated extra time spent in this step (part of compute_s)
     cpu_s: float = float("nan")  # this process's CPU seconds in the step, every thread (what a CFS quota charges)
     started_s: float = float("nan")  # the host's perf_counter at the step's start (steps' pace: their differences)
+    work: np.ndarray | None = None   # by tokens: [world] every rank's cost units in the step (tokens.Cost.work)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,9 @@ def _table(epoch: int, value, settings: Settings) -> np.ndarray:
 
 def recorded(sizes, settings: Settings) -> Replay:
     """bal.replay's argument checked on its own (no world needed): a checked copy, epoch -> int64 [steps, width]."""
+    if settings.by_tokens:
+        raise ValueError("hetero: replay() records sizes, and a Balance with a collator splits each step by its "
+                         "samples' lengths: replay without collator")
     if not isinstance(sizes, dict):
         raise _line(f"takes a dict of epochs (got {type(sizes).__name__})")
     if not sizes:

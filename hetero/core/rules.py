@@ -44,3 +44,33 @@ def micro_batch_too_big(micro_batch: int, limits: Sequence[float]) -> int | None
             if 0 < v < micro_batch:
                 return r
     return None
+
+
+COLLATORS = ("padded", "packed")  # how a rank's rows are laid out (tokens.Cost)
+LOSS_MEANS = ("samples", "tokens")
+
+
+def check_tokens(s, spell: Spell = argument) -> None:
+    """Balancing by tokens (Settings.collator): the collator, the attention term and the loss's mean, and what
+    does not combine with them yet, each in one line."""
+    if s.collator not in (None, *COLLATORS):
+        raise ValueError(f"{spell('collator')} must be None (split by counts) or one of {', '.join(COLLATORS)} "
+                         f"(got {s.collator!r})")
+    if isinstance(s.attention, bool) or not isinstance(s.attention, numbers.Real) or not 0 <= s.attention < float(
+            "inf"):
+        raise ValueError(f"{spell('attention')} must be a finite number >= 0 (got {s.attention!r})")
+    if s.loss_mean not in LOSS_MEANS:
+        raise ValueError(f"{spell('loss_mean')} must be one of {', '.join(LOSS_MEANS)} (got {s.loss_mean!r})")
+    if s.collator is None:
+        if s.attention or s.loss_mean != "samples":
+            which = spell("attention") if s.attention else f"{spell('loss_mean')}='tokens'"
+            raise ValueError(f"{which} needs the samples' lengths: set {spell('collator')}='padded' or 'packed' "
+                             f"and give batch_sampler(len(ds), lengths=...)")
+        return
+    if s.scheme not in ("edp", "affine"):
+        raise ValueError(f"{spell('collator')} splits each step by its tokens' fitted cost, weighted by each rank's "
+                         f"share: {spell('scheme')} must be edp or affine (got {s.scheme!r})")
+    for name, value in (("micro_batch", s.micro_batch), ("sit_out", s.sit_out), ("max_batch", s.max_batch)):
+        if value:
+            raise ValueError(f"{spell(name)} does not combine with {spell('collator')} yet (split by tokens: one "
+                             f"batch per rank and step, no per-rank cap)")

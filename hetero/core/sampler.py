@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .plan import Plan
-from .seeding import PERMUTATION, epoch_seed
+from .seeding import permutation
 
 
 class EpochPlan:
@@ -24,10 +24,9 @@ class EpochPlan:
             raise ValueError(f"global batch {global_batch} exceeds the {n_samples} training samples")
         self.global_batch = global_batch
         self.steps = n_samples // global_batch
-        gen = torch.Generator().manual_seed(epoch_seed(seed, epoch, PERMUTATION))
         # drawn on the CPU (the same permutation whatever the devices), then moved once per epoch: on a GPU the
         # per-step slices are then device tensors, and no step waits for a host-to-device copy of its indices
-        self.perm = torch.randperm(n_samples, generator=gen).to(device)
+        self.perm = permutation(n_samples, seed, epoch).to(device)
         self._listed: list[int] | None = None  # perm as a list, for the sampler (index_list)
 
     def _cut(self, step: int, sizes, rank: int) -> tuple[int, int]:
@@ -79,15 +78,25 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def plan(self, epoch: int, device: torch.device | str = "cpu") -> EpochPlan:
         """The epoch's shared permutation, for a loop that cuts its own batches (on the device: the built-in
         trainer): its `indices(step, bal.sizes_at(epoch, step), rank)` is what iterating would hand out."""
-        return EpochPlan(self.n_samples, self._plan().settings.global_batch, self.seed, epoch, device)
+        if (p := self._plan()).settings.by_tokens:
+            raise ValueError("hetero: split by tokens, a rank's rows are not a slice of the permutation: read "
+                             "sampler.rows_at(epoch, step)")
+        return EpochPlan(self.n_samples, p.settings.global_batch, self.seed, epoch, device)
+
+    def rows_at(self, epoch: int, step: int) -> list[int]:
+        """Split by tokens (a Balance with collator): this rank's sample indices at (epoch, step), what iterating hands
+        out there, for a loop that cuts its own batches; fixed once asked for."""
+        p = self._plan()
+        return p.schedule.rows_at(epoch, step)[p.rank].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         p = self._plan()
         at, sched = p.at, p.schedule
         # refuses a second pass; > 0 in an epoch resumed mid-way
         first = sched.start_iteration(at.epoch, at.step if at.started else 0)
-        epoch, plan = at.epoch, self.plan(at.epoch)
+        epoch, plan = at.epoch, EpochPlan(self.n_samples, p.settings.global_batch, self.seed, at.epoch)
         m = p.settings.micro_batch
         for step in range(first, plan.steps):
-            idx = plan.index_list(step, sched.sizes_at(epoch, step).tolist(), p.rank)
+            idx = sched.rows_at(epoch, step)[p.rank].tolist() if sched.cost is not None else \
+                plan.index_list(step, sched.sizes_at(epoch, step).tolist(), p.rank)
             yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

@@ -6,12 +6,17 @@ decision taking effect at or before it. A decision made after position p takes e
 None, at the first position no rank's sampler has handed out yet (the furthest `handed` over the ranks), so no step
 is ever cut two ways. A replay fixes the sizes instead: recorded {epoch: [steps, world]}, no decisions.
 
+By tokens (Settings.collator, issue 49): a regime is the fitted cost model (tokens.CostModel) instead of the
+balancer, and a position's rows are `tokens.split` of that step's window of the shared permutation, by the samples'
+lengths; its sizes are the counts of those rows. Which samples form a step (the window) never depends on the ranks.
+
 The plan (plan.py) owns the schedule and the live balancer it copies regimes from; the sampler, the probe and the
 step engine read it. It holds no position of its own: where training is, is the plan's `at`, passed in.
 """
 from __future__ import annotations
 
 import copy
+import zlib
 
 import numpy as np
 
@@ -20,7 +25,9 @@ from .agree import HeteroError
 from .balancer import Balancer
 from .partition import check_feasible
 from .rules import micro_batch_too_big, whole
+from .seeding import permutation
 from .settings import Settings
+from .tokens import Cost, CostModel, check_lengths, split
 
 FAR = -(1 << 62)    # the start of the first regime: before any step
 ENDLESS = 1 << 62   # steps_per_epoch of a loop without epochs (no batch_sampler): one epoch that never ends
@@ -47,6 +54,13 @@ class SizeSchedule:
         self.n_samples: int | None = None
         self.steps_per_epoch = 0  # 0: no epochs (a loop without batch_sampler)
         self._balancer: Balancer | None = None
+        self._live: Balancer | CostModel | None = None  # what a regime copies: the balancer, or the cost model
+        # by tokens: every sample's length and the tokens its loss counts, the permutation's seed, the cost
+        self.lengths: np.ndarray | None = None
+        self.counted: np.ndarray | None = None
+        self.seed = settings.seed
+        self.cost = Cost(settings.collator, settings.attention) if settings.by_tokens else None
+        self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
 
     # -- the limits -------------------------------------------------------------------------------------------
     def check_limits(self, limits: list[float]) -> list[float]:
@@ -61,18 +75,20 @@ class SizeSchedule:
     def bound(self, limits: list[float]) -> None:
         """New per-rank largest batches (after a probe): the sizes start afresh within them."""
         self._balancer.bound(self.check_limits(limits))
-        self.reset(self._balancer)
+        self.reset(self._balancer, self._live if self.cost is not None else None)
 
     @property
     def limits(self) -> list[float | None]:
         """Every rank's largest batch in force (None: unbounded), as the ranks compare them."""
         return [None if v == float("inf") else v for v in (self._balancer.max_batch or [])]
 
-    def reset(self, balancer: Balancer) -> None:
-        """Start afresh from the (live) balancer: at set-up, after a probe, on load_state_dict."""
-        self._balancer = balancer
-        self.regimes: list[tuple[int, Balancer]] = [(FAR, copy.deepcopy(balancer))]
+    def reset(self, balancer: Balancer, costs: CostModel | None = None) -> None:
+        """Start afresh from the (live) balancer, or by tokens its cost model: at set-up, after a probe, on
+        load_state_dict."""
+        self._balancer, self._live = balancer, costs if costs is not None else balancer
+        self.regimes: list[tuple[int, Balancer | CostModel]] = [(FAR, copy.deepcopy(self._live))]
         self.planned: dict[int, np.ndarray] = {}  # position -> every rank's sizes, fixed when handed out
+        self.rows: dict[int, list[np.ndarray]] = {}  # by tokens: position -> every rank's sample indices
         self.handed = FAR       # the next position this rank's sampler hands out
         self.iterated: int | None = None  # the epoch a sampler last iterated
         self.last = balancer.sizes  # every rank's sizes at the latest step begun
@@ -90,19 +106,57 @@ class SizeSchedule:
                 self.planned[pos] = replay.sizes(self.replayed, epoch, step)
             else:  # the regime in force at pos; affine's first epoch probes two sizes (Balancer.sizes_for_step)
                 regime = next(b for start, b in reversed(self.regimes) if start <= pos)
-                self.planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
+                if self.cost is not None:
+                    self.rows[pos] = self._split(regime, epoch, step)
+                    self.planned[pos] = np.array([len(r) for r in self.rows[pos]], np.int64)
+                else:
+                    self.planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
             self.handed = max(self.handed, pos + 1)
         return self.planned[pos]
+
+    def _split(self, costs: CostModel, epoch: int, step: int) -> list[np.ndarray]:
+        """Every rank's sample indices at (epoch, step): the step's window of the shared permutation, split by the
+        regime's fitted costs (each rank's rows in the permutation's order)."""
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, permutation(self.n_samples, self.seed, epoch).numpy())
+        B = self.settings.global_batch
+        window = self._perm[1][step * B:(step + 1) * B]
+        fixed, per = costs.coefficients()
+        parts = split(self.lengths[window], fixed, per, self.cost, min_rows=self.settings.min_batch)
+        return [window[np.sort(p)] for p in parts]
+
+    def rows_at(self, epoch: int, step: int) -> list[np.ndarray]:
+        """By tokens: every rank's sample indices at (epoch, step), fixed from now on (as sizes_at)."""
+        if self.cost is None:
+            raise ValueError("hetero: rows_at is the split by tokens (a Balance with collator); by counts, cut "
+                             "sampler.plan(epoch).indices(step, bal.sizes_at(epoch, step), bal.rank)")
+        self.sizes_at(epoch, step)
+        return self.rows[self.index(epoch, step)]
+
+    def work_at(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """By tokens: every rank's cost units at (epoch, step) and the tokens its loss counts."""
+        rows = self.rows_at(epoch, step)
+        return (np.array([self.cost.work(self.lengths[r]) for r in rows]),
+                np.array([int(self.counted[r].sum()) for r in rows], np.int64))
+
+    def digest(self) -> int | None:
+        """By tokens: a checksum of the lengths, the loss's tokens and the seed (the ranks must share them)."""
+        if self.lengths is None:
+            return None
+        return zlib.crc32(self.lengths.tobytes() + self.counted.tobytes() + str(self.seed).encode())
 
     def handed_out(self, epoch: int, step: int) -> bool:
         """A sampler (or sizes_at) has fixed this step's sizes."""
         return self.index(epoch, step) in self.planned
 
-    def set_length(self, n_samples: int) -> None:
-        """The epoch's length: floor(n / B) steps."""
+    def set_length(self, n_samples: int, tokens: tuple | None = None) -> None:
+        """The epoch's length: floor(n / B) steps; by tokens, by_tokens' (lengths, loss tokens, seed) too."""
         n = epoch_length(self.settings, n_samples)
         self.n_samples, self.steps_per_epoch = n, n // self.settings.global_batch
         replay.fit(self.replayed, self.world, self.steps_per_epoch)  # a record of other epochs is refused here
+        if tokens is not None:
+            self.lengths, self.counted, self.seed = tokens
+            self._perm = None
 
     def start_iteration(self, epoch: int, first: int) -> int:
         """A sampler starts handing out `epoch` at step `first` (> 0 in an epoch resumed mid-way): refuse a second
@@ -122,6 +176,7 @@ class SizeSchedule:
     def ended(self, pos: int) -> None:
         """The step at pos ended: the sizes fixed up to it are no longer needed."""
         self.planned = {p: v for p, v in self.planned.items() if p > pos}
+        self.rows = {p: v for p, v in self.rows.items() if p > pos}
 
     # -- regimes (a decision's sizes from where it takes effect) ----------------------------------------------
     def adopt(self, pos: int, furthest: int) -> int:
@@ -137,7 +192,7 @@ class SizeSchedule:
                               f"lag={lag}: set lag >= num_workers x prefetch_factor (+1 for Lightning), or None")
         self.regimes = [r for i, r in enumerate(self.regimes)  # regimes no position after pos can use go
                         if i + 1 == len(self.regimes) or self.regimes[i + 1][0] > pos]
-        self.regimes.append((at, copy.deepcopy(self._balancer)))
+        self.regimes.append((at, copy.deepcopy(self._live)))
         return at
 
     def regimes_state(self, here: int) -> list:
@@ -150,7 +205,41 @@ class SizeSchedule:
         """The regimes of regimes_state, over copies of the live balancer."""
         self.regimes = []
         for start, b in saved:
-            regime = copy.deepcopy(self._balancer)
+            regime = copy.deepcopy(self._live)
             regime.load_state_dict(b)
             self.regimes.append((FAR if start is None else whole("regime start", start, 0), regime))
-        self.last = self.regimes[0][1].sizes
+        if self.cost is None:
+            self.last = self.regimes[0][1].sizes
+
+
+def by_tokens(settings: Settings, n_samples: int, lengths, counted, seed: int) -> tuple | None:
+    """batch_sampler's lengths and loss tokens checked against the settings: (lengths, loss tokens, seed) as int64
+    arrays by tokens, else None; one line for lengths without a collator, a collator without lengths, loss tokens
+    without a token-mean loss, or counts that are not one whole number per sample."""
+    if (lengths is None) == settings.by_tokens:
+        raise ValueError(f"hetero: collator={settings.collator!r} splits each step by its samples' lengths: give "
+                         f"batch_sampler(len(ds), lengths=...)" if lengths is None else
+                         "hetero: lengths balance by tokens: build the Balance with collator='padded' or 'packed' "
+                         "(how your collator lays out a rank's rows)")
+    if counted is not None and settings.loss_mean != "tokens":
+        raise ValueError("hetero: loss_tokens weigh a token-mean loss: build the Balance with loss_mean='tokens'")
+    if lengths is None:
+        return None
+    lengths = check_lengths(lengths, n_samples)
+    return lengths, lengths if counted is None else check_counted(counted, lengths), seed
+
+
+def check_counted(counted, lengths: np.ndarray) -> np.ndarray:
+    """The tokens each sample's loss counts: one whole number per sample, from 0 to its length."""
+    try:
+        c = np.asarray(counted)
+    except (ValueError, TypeError):
+        raise ValueError("hetero: loss_tokens must be a flat sequence of whole token counts, one per sample") from None
+    if c.shape != lengths.shape or c.dtype == bool or not np.issubdtype(c.dtype, np.integer):
+        raise ValueError(f"hetero: loss_tokens must be one whole number per sample ({lengths.size}; got an array of "
+                         f"shape {c.shape} and type {c.dtype})")
+    if (bad := np.flatnonzero((c < 0) | (c > lengths))).size:
+        i = int(bad[0])
+        raise ValueError(f"hetero: loss_tokens[{i}] is {int(c[i])}, outside 0..{int(lengths[i])} (the sample's "
+                         f"length)")
+    return c.astype(np.int64)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from .partition import SCHEMES
-from .rules import check_sit_out, fraction, whole
+from .rules import check_sit_out, check_tokens, fraction, whole
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +28,9 @@ class Settings:
     sit_out: bool = False         # affine may give a rank batch 0 (it still runs forward and backward)
     micro_batch: int = 0          # m > 0: every micro-batch is m samples, k_i of them per rank and step
     worker_id: str | None = None  # this worker's identity (None: HETERO_WORKER_ID, else host and device)
+    collator: str | None = None   # None: split by counts; "padded" or "packed": by tokens (batch_sampler's lengths)
+    attention: float = 0.0        # with collator: a squared length's weight against a length in a row's cost
+    loss_mean: str = "samples"    # the loss's mean: over samples (weights b_i/B) or over tokens (n_i/N)
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -45,8 +48,14 @@ class Settings:
         if not isinstance(self.sit_out, bool):
             raise ValueError(f"sit_out must be True or False (got {self.sit_out!r})")
         check_sit_out(self.sit_out, SCHEMES[self.scheme].rule, self.micro_batch)
+        check_tokens(self)
         if self.worker_id is not None and not (isinstance(self.worker_id, str) and self.worker_id.strip()):
             raise ValueError(f"worker_id must be a non-empty string (got {self.worker_id!r})")
+
+    @property
+    def by_tokens(self) -> bool:
+        """Each step's samples are split by what they cost (tokens.py), from the lengths given to batch_sampler."""
+        return self.collator is not None
 
     @property
     def rule(self) -> str:

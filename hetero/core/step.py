@@ -16,8 +16,8 @@ class Step:
     report through `bucket_sent` / `bucket_back`, and the optimizer guard reads `expected` and `left`."""
 
     def __init__(self, epoch: int, index: int, sizes: np.ndarray, rank: int, weight: float, micro_batches: int,
-                 device: torch.device):
-        self.epoch, self.index, self.sizes, self.rank = epoch, index, sizes, rank
+                 device: torch.device, work: np.ndarray | None = None):
+        self.epoch, self.index, self.sizes, self.rank, self.work = epoch, index, sizes, rank, work
         self.weight = weight           # this rank's factor on its gradients: b_i/B, m/B, or 1/(world k_i)
         self.expected = self.left = micro_batches  # micro-batches this rank runs in the step; left to run
         self.syncs = self.forwards = 0  # gradient all-reduces and training forwards seen in the step

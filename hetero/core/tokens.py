@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .partition import fit_stats, window_stats
+from .rules import COLLATORS
 
-COLLATORS = ("padded", "packed")
 MAX_PERMUTED = 3  # padded rows: ranks up to which split tries every order of them (3! = 6 searches)
 EXCHANGES = 64  # packed rows: at most this many moves or swaps after the search
 
@@ -362,3 +362,37 @@ class CostModel:
 
     def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         return self.fixed_s.copy(), self.per_unit_s.copy()
+
+    def shares(self) -> np.ndarray:
+        """Every rank's share of a step's work at equal times when the fixed parts are small: its speed in units per
+        second over the sum (what a decision records)."""
+        speed = 1.0 / self.per_unit_s
+        return speed / speed.sum()
+
+    def state_dict(self) -> dict:
+        """Plain data: the coefficients and the pooled windows (torch.load(weights_only=True) loads it)."""
+        return {"fixed_s": self.fixed_s.tolist(), "per_unit_s": self.per_unit_s.tolist(),
+                "windows": [w.tolist() for w in self._windows]}
+
+    def load_state_dict(self, d: dict, src: list[int | None] | None = None) -> None:
+        """Resume; src (another world, or the same workers in another order): new rank j takes saved rank src[j]'s
+        coefficients, a worker never seen (None) the median of the known ones; the pooled windows restart then."""
+        fixed, per = np.asarray(d["fixed_s"], float), np.asarray(d["per_unit_s"], float)
+        if fixed.shape != per.shape or fixed.ndim != 1 or not (np.all(np.isfinite(per)) and np.all(per > 0)):
+            raise ValueError("a cost model state whose coefficients are not one finite positive number per rank")
+        if src is None:
+            if len(per) != self.world:
+                raise ValueError(f"a cost model state of {len(per)} ranks for a world of {self.world}")
+            self.fixed_s, self.per_unit_s = fixed, per
+            self._windows = [np.asarray(w, float) for w in d.get("windows", [])][-self.windows_kept:]
+            return
+        known = [i for i in src if i is not None]
+        if any(not 0 <= i < len(per) for i in known) or len(src) != self.world:
+            raise ValueError(f"a remap {src} of a {len(per)}-rank cost model state names a rank outside it")
+
+        def carry(old):
+            fill = float(np.median(old[known])) if known else None
+            return np.array([old[i] if i is not None else fill for i in src], float)
+        if known:
+            self.fixed_s, self.per_unit_s = carry(fixed), carry(per)
+        self._windows = []

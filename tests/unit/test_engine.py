@@ -83,9 +83,11 @@ class Rig:
                  ds: bool = False, sampler: bool = True, ran: list[float] | None = None, **kw):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", str(world))
+        loss_tokens = kw.pop("loss_tokens", None)  # by tokens: every sample 8 tokens long, these counted
         kw = {"global_batch": B, "scheme": "dp", **kw}
         self.bal = hetero.Balance(**kw)
-        self.sampler = self.bal.batch_sampler(N) if sampler else None
+        tokens = {"lengths": [8] * N, "loss_tokens": loss_tokens} if "collator" in kw else {}
+        self.sampler = self.bal.batch_sampler(N, **tokens) if sampler else None
         self.engine = e = self.bal.engine
         self.model = Net()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
@@ -359,6 +361,8 @@ SINGLE = [  # (id, rig settings, mistake, the line's words)
     ("rank_left_the_epoch_early", {"ran": [4.0, 2.0], "together": True}, _left_early,
      "rank 1 left epoch 0 after 2 steps, rank 0 ran 4"),
     ("emulated_rank_outside_the_world", {"attach": False}, _emulate_far, "hetero names rank 5, but the world has 2"),
+    ("no_token_counted", {"scheme": "edp", "collator": "padded", "loss_mean": "tokens", "loss_tokens": [0] * N},
+     _by_hand, "step 0 of epoch 0 has no token its loss counts"),
 ]
 
 

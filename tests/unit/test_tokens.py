@@ -267,3 +267,151 @@ def test_in_simulation_tokens_come_within_10_percent_of_the_ideal_and_ahead_of_e
             else:
                 assert all(mine < v for v in others.values()), (collator, mine, others)
                 assert by[collator, ranks, "tokens"]["token_shares"][1] < 0.4  # the slow rank: well below a half
+
+
+# -- behind Balance: the split of each step by its lengths, its weights, its refusals, its state ------------------
+def _bound(rank: int, world: int, collator: str, mean: str, lengths, counted, B: int = 12):
+    import hetero
+
+    bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean)
+    bal.set_world(rank, world)
+    bal.sampler = bal.batch_sampler(len(lengths), lengths=lengths, loss_tokens=counted if mean == "tokens" else None)
+    return bal
+
+
+def _fitted(bal, per_unit: list[float]) -> None:
+    """bal resumed from its own state with these per-token costs (the live model and the regime in force)."""
+    state = bal.state_dict()
+    for costs in [state["costs"], *(regime for _, regime in state["regimes"])]:
+        costs["per_unit_s"] = [1e-6 * v for v in per_unit]
+    bal.load_state_dict(state)
+
+
+@pytest.mark.parametrize("collator", ["padded", "packed"])
+@pytest.mark.parametrize("mean", ["tokens", "samples"])
+def test_three_partitions_of_one_step_weigh_to_the_gradient_of_its_union(collator, mean):
+    """Ranks of a world of 3 in one process, given three different fitted costs through a saved state: each cuts
+    the same step's window another way, and the weighted sum of the ranks' gradients is one process's on the
+    unpacked union (the launch: tests/integration/test_tokens_launch.py)."""
+    import torch
+
+    import tokenlm
+
+    lengths, tokens, labels = tokenlm.corpus(48, seed=4)
+    counted = np.array([int((y != tokenlm.IGNORE).sum()) for y in labels])
+    cuts = []
+    for per_unit in ([1.0, 1.0, 1.0], [1.0, 3.0, 1.0], [4.0, 1.0, 2.0]):
+        model, grads = tokenlm.PrefixLM(), None
+        parts = []
+        for rank in range(3):
+            bal = _bound(rank, 3, collator, mean, lengths, counted)
+            _fitted(bal, per_unit)
+            bal.begin_step()
+            rows = bal.sampler.rows_at(0, 0)
+            parts.append(sorted(rows))
+            model.zero_grad()
+            tokenlm.loss(model, tokenlm.collate(rows, tokens, labels, collator), mean, len(rows)).backward()
+            w = bal.engine.running().weight
+            g = [w * p.grad.clone() for p in model.parameters()]
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        union = sorted(i for p in parts for i in p)
+        assert len(union) == len(set(union)) == 12  # every sample of the step on exactly one rank
+        want = tokenlm.reference([union], tokens, labels, mean, 0.5)[0]
+        got = torch.cat([(p - 0.5 * g).detach().flatten() for p, g in zip(model.parameters(), grads)])
+        assert np.max(np.abs(got.numpy() - np.asarray(want))) < 1e-12
+        cuts.append(parts)
+    assert len({str(c) for c in cuts}) == 3  # three different partitions of the same step
+
+
+def test_a_slower_rank_gets_fewer_tokens_and_the_split_is_the_same_on_every_rank():
+    lengths = np.random.default_rng(2).integers(1, 513, 60)
+    cuts = []
+    for rank in range(2):
+        bal = _bound(rank, 2, "packed", "samples", lengths, None)
+        _fitted(bal, [1.0, 3.0])
+        cuts.append([[r.tolist() for r in bal.engine.plan.schedule.rows_at(0, s)] for s in range(5)])
+        assert bal.sampler.rows_at(0, 0) == cuts[-1][0][rank]
+    assert cuts[0] == cuts[1]
+    tokens = np.array([[lengths[r].sum() for r in step] for step in cuts[0]])
+    assert np.all(tokens[:, 0] > 2.5 * tokens[:, 1])  # rank 1, 3x slower per token, gets about a quarter
+
+
+def test_by_tokens_an_epoch_hands_out_every_sample_once_and_learns_the_cost():
+    import hetero
+
+    lengths = np.random.default_rng(3).integers(1, 513, 100)
+    bal = hetero.Balance(global_batch=10, collator="packed", rebalance_every=2)
+    bal.set_world(0, 1)
+    seen = []
+    sampler = bal.batch_sampler(100, lengths=lengths)
+    for epoch in range(2):
+        bal.set_epoch(epoch)
+        seen = []
+        for idx in sampler:
+            with bal.step(len(idx)):
+                seen += idx
+        assert sorted(seen) == list(range(100))
+    assert len(bal.decisions) == 10 and bal.decisions[-1].sizes == [10]
+    state = bal.state_dict()
+    again = hetero.Balance(global_batch=10, collator="packed", rebalance_every=2)
+    again.set_world(0, 1)
+    again.batch_sampler(100, lengths=lengths)
+    again.load_state_dict(state)
+    assert again.state_dict()["costs"] == state["costs"]
+
+
+@pytest.mark.parametrize("kwargs, line", [
+    ({"collator": "flat"}, "collator must be None"),
+    ({"attention": 0.1}, "attention needs the samples' lengths"),
+    ({"loss_mean": "tokens"}, "loss_mean='tokens' needs the samples' lengths"),
+    ({"loss_mean": "words", "collator": "padded"}, "loss_mean must be one of samples, tokens"),
+    ({"collator": "padded", "attention": -1.0}, "attention must be a finite number >= 0"),
+    ({"collator": "padded", "scheme": "dp"}, "scheme must be edp or affine"),
+    ({"collator": "padded", "micro_batch": 2}, "micro_batch does not combine with collator yet"),
+    ({"collator": "padded", "max_batch": 8}, "max_batch does not combine with collator yet"),
+])
+def test_a_bad_token_setting_is_one_line(kwargs, line):
+    import hetero
+
+    with pytest.raises(ValueError, match=line) as e:
+        hetero.Balance(global_batch=8, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+def test_a_bad_lengths_argument_is_one_line():
+    import hetero
+
+    L = np.arange(1, 21)
+    by_tokens = hetero.Balance(global_batch=4, collator="padded", loss_mean="tokens")
+    by_counts = hetero.Balance(global_batch=4)
+    cases = [
+        (lambda: by_tokens.batch_sampler(20), "give batch_sampler\\(len\\(ds\\), lengths=...\\)"),
+        (lambda: by_counts.batch_sampler(20, lengths=L), "build the Balance with collator="),
+        (lambda: by_counts.batch_sampler(20, loss_tokens=L), "loss_mean='tokens'"),
+        (lambda: by_tokens.batch_sampler(20, lengths=L[:19]), "19 lengths for a data set of 20 samples"),
+        (lambda: by_tokens.batch_sampler(20, lengths=L, loss_tokens=L + 1), "loss_tokens\\[0\\] is 2, outside 0..1"),
+        (lambda: by_tokens.batch_sampler(20, lengths=L, loss_tokens=L * 0.5), "one whole number per sample"),
+        (lambda: by_tokens.replay({0: np.full((5, 1), 4)}), "replay without collator"),
+    ]
+    for call, line in cases:
+        with pytest.raises(ValueError, match=line) as e:
+            call()
+        assert "\n" not in str(e.value)
+    by_tokens.set_world(0, 1)
+    sampler = by_tokens.batch_sampler(20, lengths=L)
+    with pytest.raises(ValueError, match="read sampler.rows_at"):
+        sampler.plan(0)
+    by_counts.set_world(0, 1)
+    with pytest.raises(ValueError, match="rows_at is the split by tokens"):
+        by_counts.batch_sampler(20).rows_at(0, 0)
+
+
+def test_a_state_split_by_counts_is_not_resumed_by_tokens():
+    import hetero
+
+    counts = hetero.Balance(global_batch=4)
+    counts.set_world(0, 1)
+    tokens = hetero.Balance(global_batch=4, collator="padded")
+    tokens.set_world(0, 1)
+    with pytest.raises(ValueError, match="resume with the collator it was saved with"):
+        tokens.load_state_dict(counts.state_dict())

@@ -1,0 +1,111 @@
+"""Balancing by tokens in an own DDP loop (issue 49), 2 and 3 gloo ranks: each step's window of the shared
+permutation is split by the samples' lengths, and the update equals plain SGD in one process on the unpacked union
+of the step's samples, padded and packed, for a token-mean and a sample-mean loss, after 1 and after 3 steps. One
+launch per world runs every case in turn; three negative controls (sample weights where tokens count, equal weights,
+packing without the document mask) each miss the reference. What needs no processes: tests/unit/test_tokens.py."""
+from __future__ import annotations
+
+import datetime
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hetero
+from hetero.core.sampler import EpochPlan
+
+import tokenlm
+from helpers import spawned
+
+N, B, LR = 72, 24, 0.5  # 3 steps an epoch
+CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
+    #               the loop sets equal weights)
+    "padded-tokens": ("padded", "tokens", "tokens", True, False),
+    "padded-samples": ("padded", "samples", "samples", True, False),
+    "packed-tokens": ("packed", "tokens", "tokens", True, False),
+    "packed-samples": ("packed", "samples", "samples", True, False),
+    # negative controls: each must miss the reference of its loss
+    "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
+    "equal-weights": ("padded", "tokens", "tokens", True, True),
+    "packed-without-document-mask": ("packed", "tokens", "tokens", False, False),
+}
+
+
+def _worker(rank: int, out: str, world: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    lengths, tokens, labels = tokenlm.corpus(N)
+    counted = np.array([int((y != tokenlm.IGNORE).sum()) for y in labels])
+    result = {}
+    for name, (collator, mean, loss_mean, documents, equal) in CASES.items():
+        ddp = DDP(tokenlm.PrefixLM(documents=documents))
+        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1)
+        bal.attach(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted if mean == "tokens" else None)
+        bal.set_epoch(0)
+        rows, params = [], []
+        for idx in sampler:
+            batch = tokenlm.collate(idx, tokens, labels, collator)
+            with bal.step(len(idx)):
+                if equal:
+                    bal.set_weight(1 / world)
+                tokenlm.loss(ddp, batch, loss_mean, len(idx)).backward()
+                opt.step()
+                opt.zero_grad()
+            rows.append(idx)
+            params.append(torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())
+        result[name] = {"rows": rows, "params": params}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)])
+def launched(request, tmp_path_factory):
+    world = request.param
+    return world, spawned(_worker, tmp_path_factory.mktemp(f"tokens{world}"), world, (world,))
+
+
+def _steps(ranks: list[dict], name: str) -> list[list[int]]:
+    """Each step's samples over every rank (sorted), checked to be exactly the step's window of the permutation."""
+    per_rank = [r[name]["rows"] for r in ranks]
+    perm = EpochPlan(N, B, 0, 0).perm.tolist()
+    steps = []
+    for s, parts in enumerate(zip(*per_rank)):
+        union = sorted(i for part in parts for i in part)
+        assert union == sorted(perm[s * B:(s + 1) * B]), f"{name}: step {s} is not its window"
+        assert all(parts), f"{name}: step {s} left a rank without rows"
+        steps.append(union)
+    return steps
+
+
+def _miss(got: list[float], want: list[float]) -> float:
+    return float(np.max(np.abs(np.asarray(got) - np.asarray(want))))
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[1] == c[2] and c[3] and not c[4]])
+def test_a_split_by_tokens_equals_one_process_on_the_unpacked_union(launched, name):
+    world, ranks = launched
+    steps = _steps(ranks, name)
+    assert sorted(i for s in steps for i in s) == sorted(EpochPlan(N, B, 0, 0).perm[:len(steps) * B].tolist())
+    assert len({i for s in steps for i in s}) == len(steps) * B  # coverage: every sample of the epoch once
+    _, tokens, labels = tokenlm.corpus(N)
+    want = tokenlm.reference(steps, tokens, labels, CASES[name][2], LR)
+    for r in ranks:  # after 1 and after 3 steps, on every rank
+        assert _miss(r[name]["params"][0], want[0]) < 1e-9
+        assert _miss(r[name]["params"][2], want[2]) < 1e-9
+    perm = EpochPlan(N, B, 0, 0).perm.tolist()  # not the split by counts: rank 0's rows are not the window's head
+    assert any(sorted(r0) != sorted(perm[s * B:s * B + len(r0)]) for s, r0 in enumerate(ranks[0][name]["rows"]))
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not (c[1] == c[2] and c[3] and not c[4])])
+def test_a_negative_control_misses_the_reference(launched, name):
+    world, ranks = launched
+    steps = _steps(ranks, name)
+    _, tokens, labels = tokenlm.corpus(N)
+    want = tokenlm.reference(steps, tokens, labels, CASES[name][2], LR)
+    assert _miss(ranks[0][name]["params"][2], want[2]) > 1e-4

@@ -41,7 +41,11 @@ PROBE_ROWS = 16  # rows whose losses are taken one by one at the first step (for
 
 
 def rows(inputs: dict[str, Any]) -> int | None:
-    """The batch's number of samples (the first dimension of its first tensor), None without tensors."""
+    """The batch's number of samples (the first dimension of its first tensor), None without tensors; a packed row
+    (DataCollatorWithFlattening: one row, position_ids restarting at 0 for each sample) counts its samples."""
+    pos = inputs.get("position_ids")
+    if torch.is_tensor(pos) and pos.dim() == 2 and len(pos) == 1:
+        return int(pos.eq(0).sum())
     return next((len(v) for v in inputs.values() if torch.is_tensor(v) and v.dim()), None)
 
 

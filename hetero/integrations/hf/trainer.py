@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,7 @@ class HeteroTrainer(Trainer):
             collate = self._get_collator_with_removed_columns(collate, description="Training")
         workers = a.dataloader_num_workers
         # not accelerator.prepare(...): its BatchSamplerShard would give this rank every world-th of its own batches
-        sampler = self.balance.batch_sampler(len(ds))
+        sampler = self.balance.batch_sampler(len(ds), **token_lengths(self, ds))
         if self.balance.settings.micro_batch:  # G entries per step for the Trainer's loop (hf_accumulate)
             spe = self.balance.position.steps_per_epoch
             sampler = hf_accumulate.StepLength(sampler, spe, a.gradient_accumulation_steps)
@@ -229,6 +230,10 @@ class HeteroTrainer(Trainer):
         kind = self._loss_kind
         counts = [1.0] * len(micro) if kind == "trainer" else [hf_loss.count(b, kind) for b in micro]
         loss = torch.zeros((), device=self.args.device)
+        if bal.settings.collator == "packed" and "position_ids" not in micro[0]:  # alike on every rank
+            raise ValueError("hetero: collator='packed' needs each packed row's position_ids "
+                             "(DataCollatorWithFlattening(return_position_ids=True)): without them the model attends "
+                             "across the samples of a row, and hetero cannot count them")
         for j, batch in enumerate(micro):
             # a mean's micro-batch counts by its share of this rank's count (the Trainer's own count already does)
             self._micro_scale = counts[j] / sum(counts) if kind != "trainer" else 1.0
@@ -303,3 +308,33 @@ class _BalanceSteps(TrainerCallback):
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             # written beside the Trainer's files, never through a link
             safeio.atomic_write(Path(folder) / hf_resume.STATE_NAME, lambda f: torch.save(saved, f))
+
+
+def token_lengths(trainer: Trainer, ds) -> dict[str, list[int]]:
+    """batch_sampler's lengths for a Balance that splits by tokens (collator), found as the Trainer's
+    train_sampling_strategy="batch_rebalance" finds them: the length column (args.length_column_name) of a
+    datasets.Dataset, else the length of each item's model input (the processing class's first input name, else
+    input_ids). The Balance's collator must be the Trainer's: "packed" with DataCollatorWithFlattening, "padded"
+    with any other. {} when the Balance splits by counts."""
+    said = trainer.balance.settings.collator
+    if said is None:
+        return {}
+    from transformers import DataCollatorWithFlattening
+
+    packs = isinstance(trainer.data_collator, DataCollatorWithFlattening)
+    if packs != (said == "packed"):
+        raise ValueError(f"hetero: the Balance's collator={said!r}, but the Trainer's data_collator is "
+                         f"{type(trainer.data_collator).__name__}: set collator={'packed' if packs else 'padded'!r} "
+                         f"(how it lays out a rank's rows)")
+    column = trainer.args.length_column_name
+    if hasattr(ds, "column_names") and column in ds.column_names:
+        return {"lengths": [int(n) for n in ds[column]]}
+    names = getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"]
+    lengths = []
+    for i in range(len(ds)):
+        item = ds[i]
+        if not isinstance(item, Mapping) or names[0] not in item:
+            raise ValueError(f"hetero: collator={said!r} splits by tokens, and item {i} of the train dataset has no "
+                             f"'{names[0]}' to measure: add a '{column}' column (args.length_column_name)")
+        lengths.append(len(item[names[0]]))
+    return {"lengths": lengths}

@@ -1,4 +1,4 @@
-"""Balancing by tokens in an own DDP loop (issue 49), 2 and 3 gloo ranks: each step's window of the shared
+"""Balancing by tokens in an own DDP or FSDP2 loop (issue 49), 2 and 3 gloo ranks: each step's window of the shared
 permutation is split by the samples' lengths, and the update equals plain SGD in one process on the unpacked union
 of the step's samples, padded and packed, for a token-mean and a sample-mean loss, after 1 and after 3 steps. One
 launch per world runs every case in turn; three negative controls (sample weights where tokens count, equal weights,
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
@@ -27,6 +28,8 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "padded-samples": ("padded", "samples", "samples", True, False),
     "packed-tokens": ("packed", "tokens", "tokens", True, False),
     "packed-samples": ("packed", "samples", "samples", True, False),
+    "fsdp2-padded-tokens": ("padded", "tokens", "tokens", True, False),  # fully_shard'ed: its weighted reduce-scatter
+    "fsdp2-packed-samples": ("packed", "samples", "samples", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, True),
@@ -41,7 +44,8 @@ def _worker(rank: int, out: str, world: int) -> None:
     counted = np.array([int((y != tokenlm.IGNORE).sum()) for y in labels])
     result = {}
     for name, (collator, mean, loss_mean, documents, equal) in CASES.items():
-        ddp = DDP(tokenlm.PrefixLM(documents=documents))
+        net = tokenlm.PrefixLM(documents=documents)
+        ddp = fully_shard(net) if name.startswith("fsdp2") else DDP(net)
         bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1)
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
@@ -57,7 +61,8 @@ def _worker(rank: int, out: str, world: int) -> None:
                 opt.step()
                 opt.zero_grad()
             rows.append(idx)
-            params.append(torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())
+            full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in ddp.parameters()]  # collective
+            params.append(torch.cat([p.detach().flatten() for p in full]).tolist())
         result[name] = {"rows": rows, "params": params}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)

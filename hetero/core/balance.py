@@ -280,7 +280,7 @@ class Balance:
         if (s := e.running(required=False)) is not None:
             return s.expected
         at = e.plan.at
-        return int(self.sizes_at(at.epoch, at.step)[e.plan.rank]) // m if m else 1
+        return -(-int(self.sizes_at(at.epoch, at.step)[e.plan.rank]) // m) if m else 1  # the last may be short
 
     # -- what a user reads -----------------------------------------------------------------------------------
     def sizes_at(self, epoch: int, step: int) -> np.ndarray:

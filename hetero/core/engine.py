@@ -187,6 +187,8 @@ class Engine:
                   f"step with bal.begin_step(), which returns the sizes)")
         sizes = sched.sizes_at(epoch, index)
         b, m = int(sizes[rank]), s.micro_batch
+        if m and s.by_tokens:  # by tokens a rank's rows are no multiple of m: its last micro-batch holds the rest
+            b, m = -(-b // m) * m, m
         if m and (b % m or not b):
             _stop(f"hetero: step {index} gives rank {rank} {b} samples, not whole micro-batches of {m} (a replay "
                   f"recorded with another micro_batch?)")
@@ -194,8 +196,11 @@ class Engine:
         # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
         weight = (m or b) / s.global_batch if s.weighted else 1.0 / (p.world * k)
         work = None
-        if s.by_tokens:  # each rank's rows cost what their lengths say; a token-mean loss weighs n_i / N
+        if s.by_tokens:  # each rank's rows cost what their lengths say; a token-mean loss weighs n_i / N; with
+            # micro-batches each one's loss divides by this rank's count for the step (docs/tokens.md), so the
+            # rank's share weighs their sum
             work, counted = sched.work_at(epoch, index)
+            weight = int(sizes[rank]) / s.global_batch
             if s.loss_mean == "tokens":
                 if not counted.sum():
                     _stop(f"hetero: step {index} of epoch {epoch} has no token its loss counts (every loss_tokens "
@@ -245,6 +250,8 @@ class Engine:
             self.begin(from_loader=True)
         s = self._step
         want = m or int(s.sizes[s.rank])
+        if m and self.plan.settings.by_tokens:  # the rank's rows in micro-batches of m, the last holding the rest
+            want = min(m, int(s.sizes[s.rank]) - m * (s.expected - s.left))
         if batch_size is not None and batch_size != want:
             _stop(f"hetero: step {s.index} got {batch_size} samples, the schedule says {want}: is the loader this "
                   f"Balance's sampler?")

@@ -70,7 +70,7 @@ def check_tokens(s, spell: Spell = argument) -> None:
     if s.scheme not in ("edp", "affine"):
         raise ValueError(f"{spell('collator')} splits each step by its tokens' fitted cost, weighted by each rank's "
                          f"share: {spell('scheme')} must be edp or affine (got {s.scheme!r})")
-    for name, value in (("micro_batch", s.micro_batch), ("sit_out", s.sit_out), ("max_batch", s.max_batch)):
+    for name, value in (("sit_out", s.sit_out), ("max_batch", s.max_batch)):
         if value:
-            raise ValueError(f"{spell(name)} does not combine with {spell('collator')} yet (split by tokens: one "
-                             f"batch per rank and step, no per-rank cap)")
+            raise ValueError(f"{spell(name)} does not combine with {spell('collator')} yet (split by tokens: every "
+                             f"rank gets rows, no per-rank cap)")

@@ -70,6 +70,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         if not m:
             return spe
         others = 0 if p.settings.sit_out else p.world - 1  # each other rank runs at least one micro-batch
+        if p.settings.by_tokens:  # ... of at least min_batch rows; this rank's last may be short
+            return spe * -(-max(1, p.settings.global_batch - others * p.settings.min_batch) // m)
         return spe * max(1, p.settings.global_batch // m - others)
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch

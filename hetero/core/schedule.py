@@ -60,6 +60,9 @@ class SizeSchedule:
         self.counted: np.ndarray | None = None
         self.seed = settings.seed
         self.cost = Cost(settings.collator, settings.attention) if settings.by_tokens else None
+        # what the split predicts: in micro-batches a rank's rows cost about the sum of their lengths (exactly, for
+        # micro-batches of one row; sorted longest first, micro-batches of m pad little)
+        self.split_cost = Cost("packed", settings.attention) if self.cost and settings.micro_batch else self.cost
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
 
     # -- the limits -------------------------------------------------------------------------------------------
@@ -122,8 +125,11 @@ class SizeSchedule:
         B = self.settings.global_batch
         window = self._perm[1][step * B:(step + 1) * B]
         fixed, per = costs.coefficients()
-        parts = split(self.lengths[window], fixed, per, self.cost, min_rows=self.settings.min_batch)
-        return [window[np.sort(p)] for p in parts]
+        parts = split(self.lengths[window], fixed, per, self.split_cost, min_rows=self.settings.min_batch)
+        if not self.settings.micro_batch:
+            return [window[np.sort(p)] for p in parts]
+        # micro-batches of m: each rank's rows longest first (ties by position), so a padded micro-batch pads least
+        return [window[p][np.lexsort((window[p], -self.lengths[window[p]]))] for p in parts]
 
     def rows_at(self, epoch: int, step: int) -> list[np.ndarray]:
         """By tokens: every rank's sample indices at (epoch, step), fixed from now on (as sizes_at)."""
@@ -135,8 +141,8 @@ class SizeSchedule:
 
     def work_at(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         """By tokens: every rank's cost units at (epoch, step) and the tokens its loss counts."""
-        rows = self.rows_at(epoch, step)
-        return (np.array([self.cost.work(self.lengths[r]) for r in rows]),
+        rows, m = self.rows_at(epoch, step), self.settings.micro_batch or self.settings.global_batch
+        return (np.array([sum(self.cost.work(self.lengths[r[i:i + m]]) for i in range(0, len(r), m)) for r in rows]),
                 np.array([int(self.counted[r].sum()) for r in rows], np.int64))
 
     def digest(self) -> int | None:

@@ -1,7 +1,8 @@
 """The HF Trainer split by tokens (issue 49): HeteroTrainer on a Balance with a collator reads the samples' lengths
 from the data set (as transformers' batch_rebalance does), and three SGD steps on 2 gloo ranks of a tiny Llama, each
 rank's rows chosen by their fitted cost, equal three steps of the plain single-process Trainer on the unpacked union
-of each step's window (padded rows): with rows padded, and packed by DataCollatorWithFlattening (transformers keeps
+of each step's window (padded rows): with rows padded, and packed by DataCollatorWithFlattening, in one batch per
+rank and in micro-batches of one row (per_device_train_batch_size=1, gradient_accumulation_steps=8) (transformers keeps
 the packed samples apart by their position_ids, on CPU too). A model that drops the position_ids (no document
 mask) misses it: the negative control. Packed batches without position_ids are refused in one line."""
 from __future__ import annotations
@@ -24,7 +25,8 @@ from hetero.integrations.hf import HeteroTrainer  # noqa: E402
 from helpers import max_diff, spawned  # noqa: E402
 
 N, B, T, VOCAB, LR, SEED, STEPS = 48, 16, 32, 16, 0.5, 5, 3
-CASES = {"padded": "padded", "packed": "packed", "packed-without-document-mask": "packed"}
+CASES = {"padded": "padded", "packed": "packed", "packed-without-document-mask": "packed",
+         "accumulated-padded": "padded", "accumulated-packed": "packed"}  # per_device_train_batch_size 1, G = 8
 
 
 class Unmasked(tf.LlamaForCausalLM):
@@ -65,7 +67,7 @@ def padded(items: list[dict]) -> dict:
 
 
 def _collator(case: str):
-    return padded if case == "padded" else tf.DataCollatorWithFlattening(return_position_ids=True)
+    return padded if case.endswith("padded") else tf.DataCollatorWithFlattening(return_position_ids=True)
 
 
 def _args(out: str, batch: int, **kw) -> tf.TrainingArguments:
@@ -80,10 +82,13 @@ def _worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     result = {}
     for case, collator in CASES.items():
-        bal = hetero.Balance(global_batch=B, seed=SEED, collator=collator, rebalance_every=1)
+        micro = case.startswith("accumulated")  # the common LLM setting: rows one at a time, accumulated
+        bal = hetero.Balance(global_batch=B, seed=SEED, collator=collator, rebalance_every=1, micro_batch=int(micro))
         bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
         model = _model(Unmasked if case == "packed-without-document-mask" else tf.LlamaForCausalLM)
-        trainer = HeteroTrainer(model=model, args=_args(f"{out}/{case}", B // 2), train_dataset=Docs(),
+        args = _args(f"{out}/{case}", 1, gradient_accumulation_steps=B // 2) if micro else \
+            _args(f"{out}/{case}", B // 2)
+        trainer = HeteroTrainer(model=model, args=args, train_dataset=Docs(),
                                 data_collator=_collator(case), balance=bal)
         trainer.train()
         result[case] = {"params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
@@ -115,7 +120,7 @@ def union(tmp_path_factory) -> list[torch.Tensor]:
     return [p.detach().flatten() for p in trainer.model.parameters()]
 
 
-@pytest.mark.parametrize("case", ["padded", "packed"])
+@pytest.mark.parametrize("case", ["padded", "packed", "accumulated-padded", "accumulated-packed"])
 def test_the_trainer_split_by_tokens_steps_as_one_process_on_the_unpacked_union(trained, union, case):
     moved = max_diff([p.detach().flatten().tolist() for p in _model().parameters()], union)
     assert moved > 1e-3

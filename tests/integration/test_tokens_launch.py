@@ -22,6 +22,7 @@ import tokenlm
 from helpers import spawned
 
 N, B, LR = 72, 24, 0.5  # 3 steps an epoch
+MICRO = {"micro2-padded-tokens": 2, "micro1-packed-samples": 1, "micro3-padded-samples": 3}  # micro_batch m
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
     #               the loop sets equal weights)
     "padded-tokens": ("padded", "tokens", "tokens", True, False),
@@ -30,6 +31,10 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "packed-samples": ("packed", "samples", "samples", True, False),
     "fsdp2-padded-tokens": ("padded", "tokens", "tokens", True, False),  # fully_shard'ed: its weighted reduce-scatter
     "fsdp2-packed-samples": ("packed", "samples", "samples", True, False),
+    # per-rank accumulation: each micro-batch's loss over this rank's count for the step (docs/tokens.md)
+    "micro2-padded-tokens": ("padded", "tokens", "tokens", True, False),
+    "micro1-packed-samples": ("packed", "samples", "samples", True, False),
+    "micro3-padded-samples": ("padded", "samples", "samples", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, True),
@@ -46,23 +51,33 @@ def _worker(rank: int, out: str, world: int) -> None:
     for name, (collator, mean, loss_mean, documents, equal) in CASES.items():
         net = tokenlm.PrefixLM(documents=documents)
         ddp = fully_shard(net) if name.startswith("fsdp2") else DDP(net)
-        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1)
+        m = MICRO.get(name, 0)
+        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1, micro_batch=m)
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted if mean == "tokens" else None)
         bal.set_epoch(0)
         rows, params = [], []
         for idx in sampler:
+            step = bal.position.step
+            if len(rows) == step:
+                rows.append([])
+            rows[step] += idx
+            scale = 1.0
+            if m:  # this micro-batch's mean, as its sum over this rank's count for the step
+                mine = sampler.rows_at(0, step)
+                scale = counted[idx].sum() / counted[mine].sum() if loss_mean == "tokens" else len(idx) / len(mine)
             batch = tokenlm.collate(idx, tokens, labels, collator)
             with bal.step(len(idx)):
                 if equal:
                     bal.set_weight(1 / world)
-                tokenlm.loss(ddp, batch, loss_mean, len(idx)).backward()
-                opt.step()
-                opt.zero_grad()
-            rows.append(idx)
-            full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in ddp.parameters()]  # collective
-            params.append(torch.cat([p.detach().flatten() for p in full]).tolist())
+                (scale * tokenlm.loss(ddp, batch, loss_mean, len(idx))).backward()
+                if bal.sync_now:
+                    opt.step()
+                    opt.zero_grad()
+            if bal.position.step > step:  # the step ended
+                full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in ddp.parameters()]  # collective
+                params.append(torch.cat([p.detach().flatten() for p in full]).tolist())
         result[name] = {"rows": rows, "params": params}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)

@@ -367,7 +367,7 @@ def test_by_tokens_an_epoch_hands_out_every_sample_once_and_learns_the_cost():
     ({"loss_mean": "words", "collator": "padded"}, "loss_mean must be one of samples, tokens"),
     ({"collator": "padded", "attention": -1.0}, "attention must be a finite number >= 0"),
     ({"collator": "padded", "scheme": "dp"}, "scheme must be edp or affine"),
-    ({"collator": "padded", "micro_batch": 2}, "micro_batch does not combine with collator yet"),
+    ({"collator": "padded", "sit_out": True, "scheme": "affine"}, "sit_out does not combine with collator yet"),
     ({"collator": "padded", "max_batch": 8}, "max_batch does not combine with collator yet"),
 ])
 def test_a_bad_token_setting_is_one_line(kwargs, line):

@@ -64,7 +64,7 @@ class Balance:
             size (None: HETERO_WORKER_ID, else host and device).
         collator: "padded" or "packed" (DataCollatorWithFlattening): split each step by its samples' cost, from
             batch_sampler's lengths and each rank's fitted per-token cost (docs/tokens.md); None: by counts.
-        attention: with collator, a squared length's weight against a length in a row's cost.
+        attention: with collator, a squared length's weight in a row's cost; None: fitted with the costs.
         loss_mean: "samples" (weights b_i/B) or, with collator, "tokens" (a token-mean loss: weights n_i/N).
 
     Raises:
@@ -75,7 +75,7 @@ class Balance:
                  deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1,
                  max_batch: int | str | Sequence | None = None, seed: int = 0, lag: int | None = None,
                  sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None,
-                 collator: str | None = None, attention: float = 0.0, loss_mean: str = "samples"):
+                 collator: str | None = None, attention: float | None = None, loss_mean: str = "samples"):
         self.settings = Settings(global_batch=global_batch, scheme=scheme, rebalance_every=rebalance_every,
                                  smoothing=smoothing, deadband=deadband, significance=significance,
                                  min_batch=min_batch, max_batch=max_batch, seed=seed, lag=lag, sit_out=sit_out,

@@ -50,7 +50,7 @@ class Plan:
                                   deadband=settings.deadband, significance=settings.significance,
                                   sit_out=settings.sit_out)
         # by tokens: every rank's fixed and per-token cost, fitted at each decision (the regimes copy it)
-        self._costs = CostModel(world) if settings.by_tokens else None
+        self._costs = CostModel(world, attention=settings.attention) if settings.by_tokens else None
         self._quota = own_quota()  # this rank's CFS quota (s of CPU per period s; inf: none), gathered at decisions
         self.at = At()
         self._decisions: list[Decision] = []

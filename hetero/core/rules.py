@@ -56,14 +56,14 @@ def check_tokens(s, spell: Spell = argument) -> None:
     if s.collator not in (None, *COLLATORS):
         raise ValueError(f"{spell('collator')} must be None (split by counts) or one of {', '.join(COLLATORS)} "
                          f"(got {s.collator!r})")
-    if isinstance(s.attention, bool) or not isinstance(s.attention, numbers.Real) or not 0 <= s.attention < float(
-            "inf"):
-        raise ValueError(f"{spell('attention')} must be a finite number >= 0 (got {s.attention!r})")
+    if s.attention is not None and (isinstance(s.attention, bool) or not isinstance(s.attention, numbers.Real) or
+                                    not 0 <= s.attention < float("inf")):
+        raise ValueError(f"{spell('attention')} must be None (fitted) or a finite number >= 0 (got {s.attention!r})")
     if s.loss_mean not in LOSS_MEANS:
         raise ValueError(f"{spell('loss_mean')} must be one of {', '.join(LOSS_MEANS)} (got {s.loss_mean!r})")
     if s.collator is None:
-        if s.attention or s.loss_mean != "samples":
-            which = spell("attention") if s.attention else f"{spell('loss_mean')}='tokens'"
+        if s.attention is not None or s.loss_mean != "samples":
+            which = spell("attention") if s.attention is not None else f"{spell('loss_mean')}='tokens'"
             raise ValueError(f"{which} needs the samples' lengths: set {spell('collator')}='padded' or 'packed' "
                              f"and give batch_sampler(len(ds), lengths=...)")
         return

@@ -59,10 +59,10 @@ class SizeSchedule:
         self.lengths: np.ndarray | None = None
         self.counted: np.ndarray | None = None
         self.seed = settings.seed
-        self.cost = Cost(settings.collator, settings.attention) if settings.by_tokens else None
+        self.cost = Cost(settings.collator) if settings.by_tokens else None  # its attention: the regime's
         # what the split predicts: in micro-batches a rank's rows cost about the sum of their lengths (exactly, for
         # micro-batches of one row; sorted longest first, micro-batches of m pad little)
-        self.split_cost = Cost("packed", settings.attention) if self.cost and settings.micro_batch else self.cost
+        self.split_layout = "packed" if settings.micro_batch else settings.collator
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
 
     # -- the limits -------------------------------------------------------------------------------------------
@@ -125,7 +125,8 @@ class SizeSchedule:
         B = self.settings.global_batch
         window = self._perm[1][step * B:(step + 1) * B]
         fixed, per = costs.coefficients()
-        parts = split(self.lengths[window], fixed, per, self.split_cost, min_rows=self.settings.min_batch)
+        cost = Cost(self.split_layout, costs.attention)
+        parts = split(self.lengths[window], fixed, per, cost, min_rows=self.settings.min_batch)
         if not self.settings.micro_batch:
             return [window[np.sort(p)] for p in parts]
         # micro-batches of m: each rank's rows longest first (ties by position), so a padded micro-batch pads least
@@ -140,9 +141,11 @@ class SizeSchedule:
         return self.rows[self.index(epoch, step)]
 
     def work_at(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """By tokens: every rank's cost units at (epoch, step) and the tokens its loss counts."""
+        """By tokens: every rank's cost units at (epoch, step) as their two terms [world, 2] (Cost.parts, summed over
+        its micro-batches) and the tokens its loss counts."""
         rows, m = self.rows_at(epoch, step), self.settings.micro_batch or self.settings.global_batch
-        return (np.array([sum(self.cost.work(self.lengths[r[i:i + m]]) for i in range(0, len(r), m)) for r in rows]),
+        return (np.array([np.sum([self.cost.parts(self.lengths[r[i:i + m]]) for i in range(0, len(r), m)], axis=0)
+                          for r in rows]),
                 np.array([int(self.counted[r].sum()) for r in rows], np.int64))
 
     def digest(self) -> int | None:

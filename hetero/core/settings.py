@@ -29,7 +29,7 @@ class Settings:
     micro_batch: int = 0          # m > 0: every micro-batch is m samples, k_i of them per rank and step
     worker_id: str | None = None  # this worker's identity (None: HETERO_WORKER_ID, else host and device)
     collator: str | None = None   # None: split by counts; "padded" or "packed": by tokens (batch_sampler's lengths)
-    attention: float = 0.0        # with collator: a squared length's weight against a length in a row's cost
+    attention: float | None = None  # with collator: a squared length's weight in a row's cost (None: fitted)
     loss_mean: str = "samples"    # the loss's mean: over samples (weights b_i/B) or over tokens (n_i/N)
 
     def __post_init__(self):

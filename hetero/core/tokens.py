@@ -57,6 +57,17 @@ class Cost:
             return x.size * top * (1.0 + self.attention * top)
         return float(x.sum() + self.attention * np.square(x).sum())
 
+    def parts(self, lengths) -> tuple[float, float]:
+        """The two terms of `work` apart: the tokens the collator lays out, and the squared-length term that
+        `attention` weighs (the cost model fits that weight)."""
+        x = np.asarray(lengths, dtype=float)
+        if not x.size:
+            return 0.0, 0.0
+        if self.collator == "padded":
+            top = float(x.max())
+            return x.size * top, x.size * top * top
+        return float(x.sum()), float(np.square(x).sum())
+
     def unit(self, lengths) -> np.ndarray:
         """Packed: each length's own cost units (its tokens, and its attention term)."""
         x = np.asarray(lengths, dtype=float)
@@ -332,28 +343,45 @@ def micro_batches(lengths, cap: float, cost: Cost = Cost()) -> list[np.ndarray]:
     return out
 
 
+ATTENTIONS = (0.0, *np.logspace(-5, -1, 17))  # the attention weights the cost model chooses among
+
+
 class CostModel:
     """Each rank's t_i = fixed_i + per_unit_i x work, fitted online from its measured step times: the affine
     balancer's least-squares fit (partition.window_stats, fit_stats) on cost units in place of samples, pooled over
     the last `windows_kept` windows. Lengths vary from step to step, so every window holds many amounts of work and
     the fixed part separates from the per-unit cost without the affine rule's probe.
 
+    work = tokens + attention x squared lengths (Cost). `attention` None fits it too: observed as its two terms
+    ([steps, world, 2]), the weight among ATTENTIONS whose per-rank fits leave the least squared error is taken. It
+    is one weight for every rank (the same model runs on each; a rank's speed scales both terms).
+
     The prior, before a rank has been timed: no fixed part and `prior_per_unit_s` per unit, the same for every rank,
     so the first steps split by equal cost, as transformers' BatchRebalanceSampler does. A rank that sat every
     observed step out keeps its last estimate (or the prior)."""
 
-    def __init__(self, world: int, prior_per_unit_s: float = 1e-6, windows_kept: int = 4):
+    def __init__(self, world: int, prior_per_unit_s: float = 1e-6, windows_kept: int = 4,
+                 attention: float | None = None):
         if not (np.isfinite(prior_per_unit_s) and prior_per_unit_s > 0):
             raise ValueError(f"hetero: the prior cost per token must be finite and > 0 (got {prior_per_unit_s!r})")
         self.world, self.windows_kept = world, windows_kept
         self.fixed_s = np.zeros(world)
         self.per_unit_s = np.full(world, float(prior_per_unit_s))
-        self._windows: list[np.ndarray] = []
+        self.attention, self._fits_attention = float(attention or 0.0), attention is None
+        self._windows: list[tuple[np.ndarray, np.ndarray]] = []  # (work [steps, world, 2], compute [steps, world])
 
     def observe(self, work, compute_s) -> None:
-        """One window of steps: [steps, world] cost units and measured compute times (a rank without rows: work 0)."""
-        self._windows = [*self._windows, window_stats(work, compute_s)][-self.windows_kept:]
-        pooled = np.sum(self._windows, axis=0)
+        """One window of steps: [steps, world] cost units, or [steps, world, 2] their two terms (Cost.parts), and the
+        measured compute times (a rank without rows: work 0)."""
+        work, compute = np.asarray(work, float), np.asarray(compute_s, float)
+        if work.ndim == 2:  # already weighed: no squared term to fit
+            work = np.stack([work, np.zeros_like(work)], axis=-1)
+        self._windows = [*self._windows, (work, compute)][-self.windows_kept:]
+        W = np.concatenate([w for w, _ in self._windows])
+        T = np.concatenate([t for _, t in self._windows])
+        if self._fits_attention and W[..., 1].any():
+            self.attention = min(ATTENTIONS, key=lambda g: _residual(W[..., 0] + g * W[..., 1], T))
+        pooled = window_stats(W[..., 0] + self.attention * W[..., 1], T)
         seen = pooled[0] > 0
         a, c = fit_stats(pooled)
         ok = seen & np.isfinite(a) & np.isfinite(c) & (c > 0)
@@ -370,9 +398,10 @@ class CostModel:
         return speed / speed.sum()
 
     def state_dict(self) -> dict:
-        """Plain data: the coefficients and the pooled windows (torch.load(weights_only=True) loads it)."""
-        return {"fixed_s": self.fixed_s.tolist(), "per_unit_s": self.per_unit_s.tolist(),
-                "windows": [w.tolist() for w in self._windows]}
+        """Plain data: the coefficients, the attention weight and the pooled windows (torch.load(weights_only=True)
+        loads it)."""
+        return {"fixed_s": self.fixed_s.tolist(), "per_unit_s": self.per_unit_s.tolist(), "attention": self.attention,
+                "windows": [[w.tolist(), t.tolist()] for w, t in self._windows]}
 
     def load_state_dict(self, d: dict, src: list[int | None] | None = None) -> None:
         """Resume; src (another world, or the same workers in another order): new rank j takes saved rank src[j]'s
@@ -380,11 +409,14 @@ class CostModel:
         fixed, per = np.asarray(d["fixed_s"], float), np.asarray(d["per_unit_s"], float)
         if fixed.shape != per.shape or fixed.ndim != 1 or not (np.all(np.isfinite(per)) and np.all(per > 0)):
             raise ValueError("a cost model state whose coefficients are not one finite positive number per rank")
+        if self._fits_attention:
+            self.attention = float(d.get("attention", 0.0))
         if src is None:
             if len(per) != self.world:
                 raise ValueError(f"a cost model state of {len(per)} ranks for a world of {self.world}")
             self.fixed_s, self.per_unit_s = fixed, per
-            self._windows = [np.asarray(w, float) for w in d.get("windows", [])][-self.windows_kept:]
+            self._windows = [(np.asarray(w, float), np.asarray(t, float))
+                             for w, t in d.get("windows", [])][-self.windows_kept:]
             return
         known = [i for i in src if i is not None]
         if any(not 0 <= i < len(per) for i in known) or len(src) != self.world:
@@ -396,3 +428,18 @@ class CostModel:
         if known:
             self.fixed_s, self.per_unit_s = carry(fixed), carry(per)
         self._windows = []
+
+
+def _residual(work: np.ndarray, compute: np.ndarray) -> float:
+    """The squared error left by each rank's least-squares line of compute over work, summed over the ranks (steps a
+    rank had no work or no time left out)."""
+    total = 0.0
+    for w, t in zip(work.T, compute.T):
+        ok = (w > 0) & np.isfinite(t)
+        if ok.sum() < 3:
+            continue
+        w, t = w[ok], t[ok]
+        vw = np.var(w)
+        slope = np.cov(w, t, bias=True)[0, 1] / vw if vw > 0 else 0.0
+        total += float(np.sum((t - t.mean() - slope * (w - w.mean())) ** 2))
+    return total

@@ -19,7 +19,18 @@ from pathlib import Path
 
 from ..core import safeio
 from ..trainer.cli import CliParser
-from . import deepspeed_overhead, efficiency, fsdp_overhead, hfbench, host, outside, overhead, recovery, simbench
+from . import (
+    deepspeed_overhead,
+    efficiency,
+    fsdp_overhead,
+    hfbench,
+    host,
+    outside,
+    overhead,
+    recovery,
+    simbench,
+    tokenbench,
+)
 from .launch import root
 from .measure import LaunchError, markdown_table, run_meta
 from .suite import PARTS, QUICK, Suite
@@ -84,6 +95,8 @@ def checks(res: dict) -> list[dict]:
             out.append({"target": f"hf Trainer step with hetero <= 1.01 x plain Trainer step, gradient accumulation "
                                   f"{acc['gradient_accumulation_steps']}", "value": acc["ratio"],
                         "pass": acc["ratio"] <= 1.01})
+    if tk := res.get("tokens"):  # figures: stated, not gated by the tests
+        out += tk["checks"]
     if (rec := res.get("recovery")) and rec["first_step_s"] is not None:  # a figure: stated, not gated by the tests
         out.append({"target": "lost node to the new world's first step <= 10 s (torchrun, 2 agents, median)",
                     "value": rec["first_step_s"], "pass": rec["first_step_s"] <= 10})
@@ -203,6 +216,8 @@ def table(res: dict) -> str:
                       f"{acc['micro_batch']}, the same global batch; per-rank counts with hetero): "
                       f"{1e3 * acc['hetero_step_s']:.2f} ms/step against {1e3 * acc['plain_step_s']:.2f}: ratio "
                       f"{acc['ratio']:.3f} (of medians {acc['ratio_of_medians']:.3f})", ""]
+    if tk := res.get("tokens"):
+        lines += tokenbench.section(tk)
     if res.get("balancer"):
         rules = ("proportional", "affine")
         lines += ["## One rebalancing decision (median ms)", ""] + markdown_table(
@@ -263,6 +278,9 @@ def run(suite: Suite, out: Path, command: str) -> dict:
         res["balancer"] = simbench.balancer_cost(suite.workers)
     if "hf" in suite.parts and (hf := hfbench.measure(out, suite.hf_runs, suite.hf_steps, res["notes"])):
         res["hf"] = hf
+    if "tokens" in suite.parts and (tk := tokenbench.measure(out, suite.tokens_runs, suite.tokens_steps,
+                                                             res["notes"])):
+        res["tokens"] = tk
     if "recovery" in suite.parts:
         res["recovery"] = recovery.measure(out, suite.recovery_kills, notes=res["notes"])
     if "host" in suite.parts:
@@ -383,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, help="the trainer's --micro-batch in the balance part (0: off)")
     p.add_argument("--hf-runs", type=int, help="HF Trainer runs of each kind (the hf part)")
     p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run")
+    p.add_argument("--tokens-runs", type=int, help="runs of each column of the tokens part (variable lengths)")
+    p.add_argument("--tokens-steps", type=int, help="optimizer steps per run of the tokens part")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")
     p.add_argument("--recovery-kills", type=int, help="two-agent runs that lose a node (the recovery part)")
     p.add_argument("--host-steps", type=int, help="steps of each loop in the host part (Linear(8, 8), 2 ranks)")
@@ -395,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     over = {k: getattr(ns, k) for k in ("worlds", "slowdowns", "schemes", "parts", "epochs", "steady_from",
                                         "batch_per_rank", "steps", "repeats", "overhead_launches", "overhead_epochs",
                                         "pin", "delays", "micro_batch", "hf_runs", "hf_steps", "recovery_kills",
-                                        "outside", "come_and_go", "host_steps")
+                                        "outside", "come_and_go", "host_steps", "tokens_runs", "tokens_steps")
             if getattr(ns, k) is not None}
     if ns.max_workers:
         over["workers"] = tuple(2 ** k for k in range(1, 13) if 2 ** k <= ns.max_workers)

@@ -18,7 +18,7 @@ def kinds(world: int) -> dict[str, tuple[str, str]]:
             "neighbour": ("busy neighbour on its core", f"{last}:neighbour=busy")}
 
 
-PARTS = ("balance", "outside", "overhead", "fsdp", "deepspeed", "balancer", "hf", "recovery", "host")
+PARTS = ("balance", "outside", "overhead", "fsdp", "deepspeed", "balancer", "hf", "recovery", "host", "tokens")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +38,8 @@ class Suite:
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
     hf_runs: int = 8                            # HF Trainer runs with hetero and without, in turn
     hf_steps: int = 40                          # optimizer steps per HF Trainer run
+    tokens_runs: int = 3                        # runs of each column of the tokens part (tokenbench.py), in turn
+    tokens_steps: int = 80                      # optimizer steps per run of it
     recovery_kills: int = 3                     # two-agent runs, each losing one agent mid-epoch (median of these)
     host_steps: int = 3000                      # steps of each loop in turn in the host part (Linear(8, 8))
     pin: bool = True                            # more ranks than cores: pin them in blocks (see affinity())
@@ -65,6 +67,8 @@ class Suite:
             raise ValueError("need host_steps >= 20")
         if self.hf_runs < 1 or self.hf_steps < hfbench.WARMUP + 2:
             raise ValueError(f"need hf_runs >= 1 and hf_steps >= {hfbench.WARMUP + 2}")
+        if self.tokens_runs < 1 or self.tokens_steps < hfbench.WARMUP + 2:
+            raise ValueError(f"need tokens_runs >= 1 and tokens_steps >= {hfbench.WARMUP + 2}")
         if not self.worlds or min(self.worlds) < 2 or not (self.slowdowns or self.delays):
             raise ValueError("need worlds of at least 2 ranks and a slowdown or a delay")
         if min(self.slowdowns, default=1) < 1 or min(self.delays, default=1) <= 0:
@@ -89,5 +93,6 @@ class Suite:
 
 
 QUICK = dict(worlds=(2,), schemes=("sync", "dp", "edp"), delays=(), epochs=4, repeats=1, overhead_launches=1,
-             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1, host_steps=300,
+             overhead_epochs=8, hf_runs=2, hf_steps=20, recovery_kills=1, host_steps=300, tokens_runs=1,
+             tokens_steps=16,
              outside=("quota", "neighbour"), come_and_go=("dp",), come_epochs=(2, 4, 6))

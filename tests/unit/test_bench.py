@@ -235,3 +235,38 @@ def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
     assert "| ddp | 1050 / 850 | +150 |" in text and "| fsdp |" in text
     assert host.figure(s, tmp_path / "host.png") == tmp_path / "host.png" and (tmp_path / "host.png").stat().st_size
     assert host.figure({}, tmp_path / "none.png") is None
+
+
+def test_the_tokens_part_measures_a_split_against_the_best_split_of_each_step():
+    """tokenbench.summarise on made-up runs whose step times are exactly the slowest predicted compute plus 5 ms: the
+    column given the best split of every step reads 1.000 of the ideal with misallocation 1; one that gives rank 1
+    (3x slower per token) half the samples by count reads well above, with the wait it makes; the targets follow."""
+    from hetero.core.tokens import Cost, split
+    from hetero.lab import tokenbench
+
+    rng = np.random.default_rng(0)
+    fits = [[0.001, 1e-5, 0.0], [0.001, 3e-5, 0.0]]
+    cost = Cost("padded")
+    steps = [rng.integers(2, 400, 16) for _ in range(tokenbench.WARMUP + 6)]
+    a, c, _ = np.array(fits).T
+
+    def run(parts_of):
+        ends, t, lens = [0.0], 0.0, [[], []]
+        for L in steps:
+            parts = parts_of(L)
+            for r in range(2):
+                lens[r].append(L[parts[r]].tolist())
+            t += max(a[r] + c[r] * cost.work(L[parts[r]]) for r in range(2)) + 0.005
+            ends.append(t)
+        return [{"ends": ends[1:], "lengths": lens[r]} for r in range(2)]
+    best = run(lambda L: split(L, a, c, cost))
+    halves = run(lambda L: [np.arange(8), np.arange(8, 16)])
+    ranks = [{"fits": {"padded/rank 1 3x slower": fits[r]},
+              "runs": {"padded/rank 1 3x slower": {"tokens": [best[r]], "plain": [halves[r]]}}} for r in range(2)]
+    rows = {r["column"]: r for r in tokenbench.summarise(ranks)}
+    assert rows["tokens"]["over_ideal"] == pytest.approx(1.0) and rows["tokens"]["misallocation"] == pytest.approx(1)
+    assert rows["tokens"]["overhead_ms"] == pytest.approx(5.0) and rows["tokens"]["cost_ratio"] == pytest.approx(3)
+    assert rows["plain"]["over_ideal"] > 1.3 and rows["plain"]["wait_ms"] > rows["tokens"]["wait_ms"]
+    verdict = {c["target"]: c["pass"] for c in tokenbench.checks(list(rows.values()))}
+    assert verdict == {"tokens <= 1.10 x ideal (padded, rank 1 3x slower)": True,
+                       "tokens ahead of every other column (padded, rank 1 3x slower; next: plain)": True}

@@ -287,6 +287,25 @@ def _fitted(bal, per_unit: list[float]) -> None:
     bal.load_state_dict(state)
 
 
+@pytest.mark.parametrize("true", [0.0, 1e-3, 1e-2])
+def test_the_cost_model_fits_the_attention_weight_with_the_costs(true):
+    """Noiseless step times of fixed + per-unit x (tokens + w x squared lengths), per rank: the fit finds w among its
+    candidates and every rank's coefficients (the same w for all; a rank's speed scales both terms)."""
+    rng = np.random.default_rng(1)
+    a, c = np.array([0.002, 0.004]), np.array([1e-5, 3e-5])
+    cost = Cost("padded")
+    parts = np.array([[cost.parts(rng.integers(1, 1024, rng.integers(1, 16))) for _ in range(2)]
+                      for _ in range(40)])  # [steps, world, 2]
+    model = CostModel(2)
+    model.observe(parts, a + c * (parts[..., 0] + true * parts[..., 1]))
+    assert model.attention == pytest.approx(true)
+    fixed, per = model.coefficients()
+    assert np.allclose(fixed, a, rtol=1e-6, atol=1e-9) and np.allclose(per, c, rtol=1e-6)
+    said = CostModel(2, attention=0.0)  # a weight given is kept
+    said.observe(parts, a + c * (parts[..., 0] + true * parts[..., 1]))
+    assert said.attention == 0.0
+
+
 @pytest.mark.parametrize("collator", ["padded", "packed"])
 @pytest.mark.parametrize("mean", ["tokens", "samples"])
 def test_three_partitions_of_one_step_weigh_to_the_gradient_of_its_union(collator, mean):
@@ -365,7 +384,7 @@ def test_by_tokens_an_epoch_hands_out_every_sample_once_and_learns_the_cost():
     ({"attention": 0.1}, "attention needs the samples' lengths"),
     ({"loss_mean": "tokens"}, "loss_mean='tokens' needs the samples' lengths"),
     ({"loss_mean": "words", "collator": "padded"}, "loss_mean must be one of samples, tokens"),
-    ({"collator": "padded", "attention": -1.0}, "attention must be a finite number >= 0"),
+    ({"collator": "padded", "attention": -1.0}, "attention must be None \\(fitted\\) or a finite number >= 0"),
     ({"collator": "padded", "scheme": "dp"}, "scheme must be edp or affine"),
     ({"collator": "padded", "sit_out": True, "scheme": "affine"}, "sit_out does not combine with collator yet"),
     ({"collator": "padded", "max_batch": 8}, "max_batch does not combine with collator yet"),

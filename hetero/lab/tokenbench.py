@@ -1,0 +1,287 @@
+"""Variable-length sequences on 2 CPU ranks (part "tokens" of `make bench`, issue 49): a tiny Llama built from a
+config, lengths drawn long-tailed (lognormal, median 64, capped at 1024), padded and packed rows, equal ranks and
+rank 1 three times slower. Four ways to train it take turns in the same processes:
+- plain: transformers.Trainer (each rank B/2 random samples);
+- batch_rebalance: the Trainer with train_sampling_strategy="batch_rebalance" (equal cost per rank, blind to speed);
+- samples: HeteroTrainer splitting by counts (hetero before issue 49);
+- tokens: HeteroTrainer on Balance(collator=...) splitting each step by its samples' fitted cost.
+
+The slow rank: a forward hook on rank 1 sleeps (SLOW - 1) x 2 x its forward's time (a forward is about half of a
+forward and backward here), so its cost follows the tokens it draws, as a slower GPU's would; the fitted ratio of the
+two ranks' per-token costs is reported beside the table.
+
+What is reported, per row and column (the medians over RUNS runs):
+- time / ideal: the run's measured step time (its steps after WARMUP, end to end) over the ideal. Each rank's cost
+  (fixed + per token + per squared length, as tokens.Cost lays the rows out) is fitted once per collator and row on
+  its own before any run (fwd + bwd of batches of several sizes, slow hook included). A step's ideal is the best
+  split of its samples (tokens.split) under those costs, plus the step's overhead outside the ranks' compute (the
+  all-reduce, the optimizer, the Trainer's loop): the median over every run of the row of the measured step less its
+  slowest predicted compute;
+- wait: the mean over steps and ranks of the measured step time less the rank's predicted compute for its rows;
+- misallocation: the slowest rank's predicted compute over the ideal's, per step (1: the split could not be better).
+
+    torchrun --standalone --nproc-per-node=2 -m hetero.lab.tokenbench --out DIR --runs R --steps S
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from ..core import safeio
+from ..core.tokens import Cost, split, times
+from ..trainer.cli import CliParser
+from .launch import clean_env, torchrun_cmd
+from .measure import launch
+
+COLUMNS = ("plain", "batch_rebalance", "samples", "tokens")
+ROWS = {"equal": 1.0, "rank 1 3x slower": 3.0}
+COLLATORS = ("padded", "packed")
+PER_RANK, VOCAB, LONGEST, MEDIAN, WARMUP, REBALANCE_EVERY = 8, 64, 1024, 64, 3, 4
+
+
+def lengths(n: int, seed: int) -> np.ndarray:
+    """n lengths, lognormal (median MEDIAN, sigma 1), at least 2 and at most LONGEST tokens."""
+    rng = np.random.default_rng(seed)
+    return np.clip(np.round(rng.lognormal(np.log(MEDIAN), 1.0, n)), 2, LONGEST).astype(np.int64)
+
+
+def _work(inputs: dict, cost: Cost) -> tuple[list[int], float]:
+    """The lengths of a batch's samples, and their cost units under `cost`."""
+    if "position_ids" in inputs and inputs["input_ids"].shape[0] == 1:  # one packed row
+        starts = (inputs["position_ids"][0] == 0).nonzero().flatten().tolist() + [inputs["input_ids"].shape[1]]
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+    else:
+        lens = inputs["attention_mask"].sum(1).tolist()
+    return lens, cost.work(lens)
+
+
+def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
+    """Run by torchrun: for every collator and row, each rank's cost fitted on its own, then `runs` runs of each
+    column in turn; each rank writes what it measured to out/rank{r}.json."""
+    import torch
+    from transformers import (
+        DataCollatorWithFlattening,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from ..core.balance import Balance
+    from ..integrations.hf import HeteroTrainer
+
+    torch.set_num_threads(1)
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    B = PER_RANK * world
+    L = lengths(steps * B, seed)
+    gen = np.random.default_rng(seed + 1)
+    docs = [{"input_ids": gen.integers(1, VOCAB, int(n)).tolist()} for n in L]
+    for d in docs:
+        d["labels"] = d["input_ids"]
+
+    def pad(items: list[dict]) -> dict:
+        top = max(len(x["input_ids"]) for x in items)
+        rows = [x["input_ids"] + [0] * (top - len(x["input_ids"])) for x in items]
+        mask = [[1] * len(x["input_ids"]) + [0] * (top - len(x["input_ids"])) for x in items]
+        labels = [x["labels"] + [-100] * (top - len(x["labels"])) for x in items]
+        return {"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
+
+    def model(slow: float, record: list | None, cost: Cost):
+        torch.manual_seed(seed)
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2,
+                                         max_position_embeddings=LONGEST))
+        started = []
+
+        def pre(mod, args, kwargs):
+            started.append(time.perf_counter())
+            if record is not None and mod.training and torch.is_grad_enabled():
+                record.append(_work(kwargs, cost)[0])
+
+        def post(mod, args, kwargs, output):
+            if slow > 1 and mod.training and torch.is_grad_enabled():
+                time.sleep((slow - 1) * 2 * (time.perf_counter() - started[-1]))
+        m.register_forward_pre_hook(pre, with_kwargs=True)
+        m.register_forward_hook(post, with_kwargs=True)
+        return m
+
+    def fit(slow: float, cost: Cost, collate) -> list[float]:
+        """This rank's fixed cost, per token and per squared length (Cost.parts) of fwd + bwd, by least squares on
+        batches of several sizes (no collective)."""
+        m = model(slow, None, cost)
+        m.train()
+        work, took = [], []
+        pick = np.random.default_rng(seed + 2)
+        for i in range(68):
+            rows = [docs[j] for j in pick.choice(len(docs), size=int(pick.integers(1, B)), replace=False)]
+            batch = collate(rows)
+            t0 = time.perf_counter()
+            m(**batch).loss.backward()
+            if i >= 4:  # the first warm up
+                took.append(time.perf_counter() - t0)
+                work.append(cost.parts(_work(batch, cost)[0]))
+        x = np.column_stack([np.ones(len(work)), np.array(work)])
+        return np.linalg.lstsq(x, np.array(took), rcond=None)[0].tolist()
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ends.append(time.perf_counter())
+
+    def one_run(column: str, collator: str, slow: float) -> dict:
+        cost = Cost(collator)
+        record: list = []
+        collate = pad if collator == "padded" else DataCollatorWithFlattening()
+        extra = {"train_sampling_strategy": "batch_rebalance"} if column == "batch_rebalance" else {}
+        args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=PER_RANK,
+                                 max_steps=steps, use_cpu=True, save_strategy="no", logging_strategy="no",
+                                 report_to=[], disable_tqdm=True, seed=seed, ddp_find_unused_parameters=False,
+                                 remove_unused_columns=False, **extra)
+        clock = Clock()
+        common = dict(model=model(slow if rank == 1 else 1.0, record, cost), args=args, train_dataset=docs,
+                      data_collator=collate, callbacks=[clock])
+        if column in ("samples", "tokens"):
+            bal = Balance(global_batch=B, rebalance_every=REBALANCE_EVERY, seed=seed,
+                          collator=collator if column == "tokens" else None)
+            trainer = HeteroTrainer(balance=bal, **common)
+        else:
+            trainer = Trainer(**common)
+        trainer.train()
+        return {"ends": clock.ends, "lengths": record}
+
+    result: dict = {"fits": {}, "runs": {}}
+    for collator in COLLATORS:
+        collate = pad if collator == "padded" else DataCollatorWithFlattening()
+        for row, slow in ROWS.items():
+            key = f"{collator}/{row}"
+            result["fits"][key] = fit(slow if rank == 1 else 1.0, Cost(collator), collate)
+            result["runs"][key] = {c: [] for c in COLUMNS}
+            for run in range(runs):
+                for column in (COLUMNS if run % 2 else COLUMNS[::-1]):  # in turn, which goes first alternating
+                    result["runs"][key][column].append(one_run(column, collator, slow))
+    safeio.write_text(out / f"rank{rank}.json", json.dumps(result))
+
+
+def _steps(ranks: list[dict], key: str, column: str, i: int, cost: Cost, fits: np.ndarray):
+    """Run i of a column: per step after WARMUP its measured time, every rank's predicted compute, and the ideal
+    split's slowest predicted compute."""
+    runs = [r["runs"][key][column][i] for r in ranks]
+    step_s = np.diff(runs[0]["ends"])[WARMUP - 1:]  # steps WARMUP.. (rank 0's clock: the ranks end steps together)
+    pred, best = [], []
+    for s in range(WARMUP, WARMUP + len(step_s)):
+        own = [r["lengths"][s] for r in runs]
+        pred.append(fits[:, 0] + fits[:, 1] * np.array([cost.work(x) for x in own]))
+        union = np.concatenate([np.asarray(x) for x in own])
+        best.append(times(union, split(union, fits[:, 0], fits[:, 1], cost), fits[:, 0], fits[:, 1], cost).max())
+    return step_s, np.array(pred), np.array(best)
+
+
+def summarise(ranks: list[dict]) -> list[dict]:
+    """One row per (collator, row, column): the medians over the runs of time / ideal, wait and misallocation."""
+    out = []
+    for key in ranks[0]["runs"]:
+        collator, row = key.split("/")
+        fitted = np.array([r["fits"][key] for r in ranks])  # [world, (fixed, per token, per squared length)]
+        weight = float(np.median(np.maximum(fitted[:, 2], 0) / fitted[:, 1]))  # one attention weight (tokens.Cost)
+        cost = Cost(collator, weight)
+        fits = np.column_stack([np.maximum(fitted[:, 0], 0), fitted[:, 1]])
+        cells = {c: [_steps(ranks, key, c, i, cost, fits) for i in range(len(v))]
+                 for c, v in ranks[0]["runs"][key].items()}
+        overhead = float(np.median(np.concatenate([s - p.max(1) for runs in cells.values() for s, p, _ in runs])))
+        for column, runs in cells.items():
+            a = np.array([(s.sum() / (b + overhead).sum(), float(np.mean(s[:, None] - p)), float(np.mean(p.max(1) / b)))
+                          for s, p, b in runs])
+            out.append({"collator": collator, "ranks": row, "column": column, "over_ideal": float(np.median(a[:, 0])),
+                        "spread": float(a[:, 0].max() - a[:, 0].min()), "wait_ms": 1e3 * float(np.median(a[:, 1])),
+                        "misallocation": float(np.median(a[:, 2])), "overhead_ms": 1e3 * overhead,
+                        "cost_ratio": float(fits[1, 1] / fits[0, 1]), "attention": weight, "runs": len(a)})
+    return out
+
+
+def measure(out: Path, runs: int, steps: int, notes: list[str]) -> dict | None:
+    """The table (summarise) and its targets; None (with a note) without the [hf] extra."""
+    try:
+        import accelerate  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        notes.append("tokens: skipped, the [hf] extra (transformers, accelerate) is not installed")
+        return None
+    print("bench: tokens", flush=True)
+    res = out / "runs" / "tokens"
+    res.mkdir(parents=True, exist_ok=True)
+    env = {**clean_env(threads="1"), "HF_HUB_OFFLINE": "1"}
+    launch(torchrun_cmd(2, ["--out", str(res), "--runs", str(runs), "--steps", str(steps)], "hetero.lab.tokenbench"),
+           out / "logs" / "tokens.log", 3600, env, done=res / "rank1.json", notes=notes)
+    table = summarise([json.loads((res / f"rank{r}.json").read_text()) for r in range(2)])
+    return {"table": table, "steps": steps, "runs": runs, "per_rank": PER_RANK, "median_length": MEDIAN,
+            "longest": LONGEST, "rebalance_every": REBALANCE_EVERY, "checks": checks(table)}
+
+
+def checks(table: list[dict]) -> list[dict]:
+    """Issue 49's targets: tokens within 1.10 of the ideal in every row; on equal ranks no slower than
+    batch_rebalance beyond its spread; with a slow rank ahead of every other column."""
+    out = []
+    cell = {(r["collator"], r["ranks"], r["column"]): r for r in table}
+    for collator, row in {(r["collator"], r["ranks"]) for r in table}:
+        t = cell[(collator, row, "tokens")]
+        out.append({"target": f"tokens <= 1.10 x ideal ({collator}, {row})", "value": t["over_ideal"],
+                    "pass": t["over_ideal"] <= 1.10})
+        if row == "equal" and (collator, row, "batch_rebalance") in cell:
+            br = cell[(collator, row, "batch_rebalance")]
+            out.append({"target": f"tokens no slower than batch_rebalance within its spread ({collator}, equal)",
+                        "value": t["over_ideal"] - br["over_ideal"],
+                        "pass": t["over_ideal"] <= br["over_ideal"] + br["spread"]})
+        elif row != "equal":
+            others = [k[2] for k in cell if k[:2] == (collator, row) and k[2] != "tokens"]
+            best = min(others, key=lambda c: cell[(collator, row, c)]["over_ideal"])
+            out.append({"target": f"tokens ahead of every other column ({collator}, {row}; next: {best})",
+                        "value": t["over_ideal"] - cell[(collator, row, best)]["over_ideal"],
+                        "pass": t["over_ideal"] < cell[(collator, row, best)]["over_ideal"]})
+    return sorted(out, key=lambda c: c["target"])
+
+
+def section(tk: dict) -> list[str]:
+    """The report's section: the table, one line per collator and row, columns side by side."""
+    from .measure import markdown_table
+
+    rows = tk["table"]
+    ratio = {(r["collator"], r["ranks"]): r["cost_ratio"] for r in rows}
+    lines = [f"## Variable-length sequences (tiny Llama, 2 ranks, {tk['per_rank']} rows per rank and step, lengths "
+             f"lognormal with median {tk['median_length']} capped at {tk['longest']}; median of {tk['runs']} "
+             f"run(s) of {tk['steps']} steps, docs/tokens.md)", "",
+             "Epoch time / ideal [spread], mean wait per step (ms), misallocation (slowest predicted / ideal):", ""]
+    body = []
+    for key in dict.fromkeys((r["collator"], r["ranks"]) for r in rows):
+        cells = {r["column"]: r for r in rows if (r["collator"], r["ranks"]) == key}
+        body.append([*key, f"{ratio[key]:.2f}"] + [f"{c['over_ideal']:.3f} [{c['spread']:.3f}], {c['wait_ms']:.1f}, "
+                                                   f"{c['misallocation']:.2f}" for c in cells.values()])
+    first = {(r["collator"], r["ranks"]): r for r in rows}
+    columns = list(dict.fromkeys(r["column"] for r in rows))
+    lines += markdown_table(["collator", "ranks", "rank 1's per-token cost / rank 0's", *columns], body)
+    lines += ["", "Overhead per step outside the compute (in the ideal): " + ", ".join(
+        f"{k[0]} {k[1]} {v['overhead_ms']:.1f} ms" for k, v in first.items()), ""]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = CliParser(prog="python -m hetero.lab.tokenbench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="folder for every rank's measurements (rank{r}.json)")
+    p.add_argument("--runs", type=int, required=True, help="runs of each column, taken in turn")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps per run")
+    ns = p.parse_args(argv)
+    if ns.runs < 1 or ns.steps < WARMUP + 2:
+        p.error(f"need --runs >= 1 and --steps >= {WARMUP + 2}")
+    worker(Path(ns.out), ns.runs, ns.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

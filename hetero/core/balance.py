@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from .attach import attach, bind, plug
 from .emulator import parse_hetero
 from .engine import Engine
 from .metrics import metrics as read_out
-from .plan import Plan
+from .plan import At, Plan
 from .probe import probe_all
 from .records import Decision, Position, StepRecord
 from .replay import recorded
@@ -178,7 +179,7 @@ class Balance:
 
     # -- the epoch and its steps -----------------------------------------------------------------------------
     def batch_sampler(self, n_samples: int, seed: int | None = None, *, lengths: Sequence[int] | None = None,
-                      loss_tokens: Sequence[int] | None = None) -> BalancedBatchSampler:
+                      loss_tokens: Sequence[int] | None = None, collator: str | None = None) -> BalancedBatchSampler:
         """The one way to give the epoch's length: per-step index lists for this rank, its slice of each step's
         window of one shared permutation (floor(n_samples / global_batch) steps on every rank). A loop cutting its
         own batches takes the sampler's `plan(epoch)` and `bal.sizes_at` instead of iterating it.
@@ -186,12 +187,15 @@ class Balance:
         Args:
             lengths: with collator (only then), every sample's length in tokens: each step's window is split by cost.
             loss_tokens: with loss_mean "tokens", the tokens each sample's loss counts (None: its length).
+            collator: the Balance's collator said here, where the lengths are (a Balance built without one).
 
         Raises:
             ValueError: n_samples below the global batch; lengths without collator or the reverse; bad counts.
         """
         length = epoch_length(self.settings, n_samples)
         seed = self.settings.seed if seed is None else whole("seed", seed, 0)
+        if collator is not None and collator != self.settings.collator:
+            split_by(self, collator)
         # checked before any collective; kept for a world bound later (Lightning's launcher)
         self._data = (length, by_tokens(self.settings, length, lengths, loss_tokens, seed))
         if self._engine is not None:
@@ -345,3 +349,36 @@ class Balance:
             raise HeteroError("hetero: an attached Balance cannot be pickled: build it before the launcher starts "
                               "the processes, and attach it in each")
         return self.__dict__
+
+
+def tokens_refusal(bal: Balance, collator: str = "padded") -> str | None:
+    """Why `bal` cannot split by tokens with this collator (one line), or None: the HF Trainer's default asks."""
+    if bal._replay is not None:
+        return "hetero: replay() records sizes, and a collator splits each step by its samples' lengths"
+    try:
+        replace(bal.settings, collator=collator)  # check_tokens: the scheme, sit_out, max_batch
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def split_by(bal: Balance, collator: str) -> None:
+    """batch_sampler's collator on a Balance built without one: from now on it splits by tokens (before any step).
+
+    Raises:
+        ValueError: the Balance has another collator, a replay, or settings that do not combine with one.
+        HeteroError: a step has begun.
+    """
+    if bal.settings.collator is not None:
+        raise ValueError(f"hetero: the Balance splits with collator={bal.settings.collator!r}, and batch_sampler "
+                         f"says collator={collator!r}: say one")
+    if (why := tokens_refusal(bal, collator)) is not None:
+        raise ValueError(why)
+    e = bal._engine
+    if e is not None and (e.link.model is not None or e.plan.at != At() or e.plan.decisions):
+        raise HeteroError("hetero: batch_sampler(collator=...) after attach, a step or a resume: say the collator "
+                          "first (or build the Balance with it)")
+    bal.settings = replace(bal.settings, collator=collator)
+    if e is not None:  # the engine built afresh for these settings (nothing has run on it)
+        bal._engine = None
+        bal.set_world(e.plan.rank, e.plan.world)

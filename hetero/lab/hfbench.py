@@ -110,16 +110,22 @@ def measure(out: Path, runs: int, steps: int, notes: list[str]) -> dict | None:
             "rebalance_every": REBALANCE_EVERY}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = CliParser(prog="python -m hetero.lab.hfbench", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON file for the step times (rank 0 writes it)")
+def cli(argv: list[str] | None, module: str, doc: str, out_help: str, run) -> int:
+    """A Trainer benchmark's command line (this one's and tokenbench's): --out, --runs, --steps, then run(out, runs,
+    steps) in every rank torchrun started."""
+    p = CliParser(prog=f"python -m {module}", description=doc.split("\n")[0])
+    p.add_argument("--out", required=True, help=out_help)
     p.add_argument("--runs", type=int, required=True, help="Trainer runs of each kind, taken in turn")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps per run")
     ns = p.parse_args(argv)
     if ns.runs < 1 or ns.steps < WARMUP + 2:
         p.error(f"need --runs >= 1 and --steps >= {WARMUP + 2}")
-    worker(Path(ns.out), ns.runs, ns.steps)
+    run(Path(ns.out), ns.runs, ns.steps)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli(argv, "hetero.lab.hfbench", __doc__, "JSON file for the step times (rank 0 writes it)", worker)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,15 @@ import numpy as np
 
 from ..core import safeio
 from ..core.tokens import Cost, split, times
-from ..trainer.cli import CliParser
+from . import hfbench
 from .launch import clean_env, torchrun_cmd
 from .measure import launch
 
 COLUMNS = ("plain", "batch_rebalance", "samples", "tokens")
 ROWS = {"equal": 1.0, "rank 1 3x slower": 3.0}
 COLLATORS = ("padded", "packed")
-PER_RANK, VOCAB, LONGEST, MEDIAN, WARMUP, REBALANCE_EVERY = 8, 64, 1024, 64, 3, 4
+PER_RANK, VOCAB, LONGEST, MEDIAN, REBALANCE_EVERY = 8, 64, 1024, 64, 4
+WARMUP = hfbench.WARMUP  # steps not timed
 
 
 def lengths(n: int, seed: int) -> np.ndarray:
@@ -272,15 +273,8 @@ def section(tk: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = CliParser(prog="python -m hetero.lab.tokenbench", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="folder for every rank's measurements (rank{r}.json)")
-    p.add_argument("--runs", type=int, required=True, help="runs of each column, taken in turn")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps per run")
-    ns = p.parse_args(argv)
-    if ns.runs < 1 or ns.steps < WARMUP + 2:
-        p.error(f"need --runs >= 1 and --steps >= {WARMUP + 2}")
-    worker(Path(ns.out), ns.runs, ns.steps)
-    return 0
+    return hfbench.cli(argv, "hetero.lab.tokenbench", __doc__, "folder for every rank's measurements (rank{r}.json)",
+                       worker)
 
 
 if __name__ == "__main__":

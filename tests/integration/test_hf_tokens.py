@@ -4,7 +4,9 @@ rank's rows chosen by their fitted cost, equal three steps of the plain single-p
 of each step's window (padded rows): with rows padded, and packed by DataCollatorWithFlattening, in one batch per
 rank and in micro-batches of one row (per_device_train_batch_size=1, gradient_accumulation_steps=8) (transformers keeps
 the packed samples apart by their position_ids, on CPU too). A model that drops the position_ids (no document
-mask) misses it: the negative control. Packed batches without position_ids are refused in one line."""
+mask) misses it: the negative control. Packed batches without position_ids are refused in one line. A Balance built
+without a collator splits by tokens all the same (the Trainer's default where the lengths vary), with the
+Trainer's collator's layout; where they do not vary, or a replay fixes the sizes, it splits by counts."""
 from __future__ import annotations
 
 import json
@@ -26,7 +28,8 @@ from helpers import max_diff, spawned  # noqa: E402
 
 N, B, T, VOCAB, LR, SEED, STEPS = 48, 16, 32, 16, 0.5, 5, 3
 CASES = {"padded": "padded", "packed": "packed", "packed-without-document-mask": "packed",
-         "accumulated-padded": "padded", "accumulated-packed": "packed"}  # per_device_train_batch_size 1, G = 8
+         "accumulated-padded": "padded", "accumulated-packed": "packed",  # per_device_train_batch_size 1, G = 8
+         "default-padded": None, "default-packed": None}  # a Balance without a collator: the Trainer's default
 
 
 class Unmasked(tf.LlamaForCausalLM):
@@ -92,7 +95,7 @@ def _worker(rank: int, out: str) -> None:
                                 data_collator=_collator(case), balance=bal)
         trainer.train()
         result[case] = {"params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
-                        "sizes": bal.last_sizes, "kind": trainer._loss_kind}
+                        "sizes": bal.last_sizes, "kind": trainer._loss_kind, "collator": bal.settings.collator}
     bal = hetero.Balance(global_batch=B, seed=SEED, collator="packed")
     trainer = HeteroTrainer(model=_model(), args=_args(f"{out}/unnumbered", B // 2), train_dataset=Docs(),
                             data_collator=tf.DataCollatorWithFlattening(return_position_ids=False), balance=bal)
@@ -120,12 +123,13 @@ def union(tmp_path_factory) -> list[torch.Tensor]:
     return [p.detach().flatten() for p in trainer.model.parameters()]
 
 
-@pytest.mark.parametrize("case", ["padded", "packed", "accumulated-padded", "accumulated-packed"])
+@pytest.mark.parametrize("case", ["padded", "packed", "accumulated-padded", "accumulated-packed", "default-padded",
+                                  "default-packed"])
 def test_the_trainer_split_by_tokens_steps_as_one_process_on_the_unpacked_union(trained, union, case):
     moved = max_diff([p.detach().flatten().tolist() for p in _model().parameters()], union)
     assert moved > 1e-3
     for rank in trained:
-        assert rank[case]["kind"] == "trainer"
+        assert rank[case]["kind"] == "trainer" and rank[case]["collator"] == case.split("-")[-1]
         assert max_diff(rank[case]["params"], union) < 1e-5, f"{case}: not the union's steps (they moved {moved:.3g})"
 
 
@@ -145,3 +149,24 @@ def test_a_collator_that_is_not_the_balances_is_one_line(tmp_path):
 def test_packed_rows_without_position_ids_are_refused_on_every_rank(trained):
     assert trained[0]["no-position-ids"] == trained[1]["no-position-ids"]
     assert trained[0]["no-position-ids"].startswith("hetero: collator='packed' needs each packed row's position_ids")
+
+
+def test_the_default_splits_by_counts_where_the_lengths_do_not_vary_or_a_replay_fixes_them(tmp_path):
+    from hetero.integrations.hf.trainer import token_lengths
+
+    class Blocks(Docs):  # every sample 12 tokens: nothing to balance by length
+        def __init__(self):
+            self.items = [{"input_ids": [1] * 12, "labels": [1] * 12} for _ in range(N)]
+    for ds, replayed in ((Blocks(), False), (Docs(), True)):
+        bal = hetero.Balance(global_batch=B)
+        bal.set_world(0, 1)
+        if replayed:
+            bal.replay({0: [[B]] * (N // B)})
+        trainer = HeteroTrainer(model=_model(), args=_args(str(tmp_path), B), train_dataset=ds, data_collator=padded,
+                                balance=bal)
+        assert token_lengths(trainer, ds) == {}
+    bal = hetero.Balance(global_batch=B)
+    bal.set_world(0, 1)
+    trainer = HeteroTrainer(model=_model(), args=_args(str(tmp_path), B), train_dataset=Docs(), data_collator=padded,
+                            balance=bal)
+    assert token_lengths(trainer, Docs())["collator"] == "padded"

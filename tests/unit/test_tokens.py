@@ -434,3 +434,35 @@ def test_a_state_split_by_counts_is_not_resumed_by_tokens():
     tokens.set_world(0, 1)
     with pytest.raises(ValueError, match="resume with the collator it was saved with"):
         tokens.load_state_dict(counts.state_dict())
+
+
+def test_a_collator_said_at_the_sampler_splits_by_tokens_and_is_refused_where_it_cannot():
+    import hetero
+    from hetero.core.agree import HeteroError
+
+    L = np.random.default_rng(5).integers(1, 513, 40)
+    bal = hetero.Balance(global_batch=8, rebalance_every=2)
+    bal.set_world(0, 2)
+    sampler = bal.batch_sampler(40, lengths=L, collator="packed")
+    assert bal.settings.collator == "packed" and len(sampler.rows_at(0, 0)) >= 1
+    state = bal.state_dict()
+    assert "costs" in state
+    with pytest.raises(ValueError, match="the Balance splits with collator='packed', and batch_sampler says "
+                                         "collator='padded': say one"):
+        bal.batch_sampler(40, lengths=L, collator="padded")
+    cases = [({"scheme": "dp"}, None, "scheme must be edp or affine"),
+             ({}, "replay", r"replay\(\) records sizes"),
+             ({}, "step", "after attach, a step or a resume")]
+    for kw, before, line in cases:
+        other = hetero.Balance(global_batch=8, **kw)
+        other.set_world(0, 1)
+        if before == "replay":
+            other.replay({0: np.full((5, 1), 8)})
+        if before == "step":
+            other.batch_sampler(40)
+            other.set_epoch(0)
+            other.begin_step()
+            other.end_step()
+        with pytest.raises((ValueError, HeteroError), match=line) as e:
+            other.batch_sampler(40, lengths=L, collator="padded")
+        assert "\n" not in str(e.value)

@@ -7,7 +7,8 @@
 
 What it changes in the Trainer (docs/huggingface.md):
 - the train DataLoader takes hetero's batch sampler and is NOT passed to accelerator.prepare: prepare would wrap it
-  in a BatchSamplerShard, which hands rank r every world-th of its own batches and breaks hetero's slices;
+  in a BatchSamplerShard, which hands rank r every world-th of its own batches and breaks hetero's slices; wherever
+  the samples' lengths vary, the sampler splits each step by their cost (token_lengths; docs/tokens.md);
 - a callback brackets every optimizer step (begin_step at on_step_begin, end_step at on_step_end: the step clock,
   decisions every K steps and at epoch ends) and attaches the comm hook to the Trainer's DDP model;
 - training_step sets the step's gradient weight from the loss convention the Trainer used (gradient_weight);
@@ -51,7 +52,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint, seed_worker
 
 from ...core import deepspeed, fsdp, safeio
-from ...core.balance import Balance
+from ...core.balance import Balance, tokens_refusal
 from . import accumulate as hf_accumulate
 from . import fsdp as hf_fsdp
 from . import loss as hf_loss
@@ -310,31 +311,50 @@ class _BalanceSteps(TrainerCallback):
             safeio.atomic_write(Path(folder) / hf_resume.STATE_NAME, lambda f: torch.save(saved, f))
 
 
-def token_lengths(trainer: Trainer, ds) -> dict[str, list[int]]:
-    """batch_sampler's lengths for a Balance that splits by tokens (collator), found as the Trainer's
-    train_sampling_strategy="batch_rebalance" finds them: the length column (args.length_column_name) of a
-    datasets.Dataset, else the length of each item's model input (the processing class's first input name, else
-    input_ids). The Balance's collator must be the Trainer's: "packed" with DataCollatorWithFlattening, "padded"
-    with any other. {} when the Balance splits by counts."""
-    said = trainer.balance.settings.collator
-    if said is None:
-        return {}
+def token_lengths(trainer: Trainer, ds) -> dict:
+    """batch_sampler's lengths (and collator) for a HeteroTrainer: by tokens whenever the Balance names a collator,
+    and by default whenever the data set's lengths vary and the Balance can split by them (no replay, an edp or
+    affine scheme, no sit_out or max_batch); {}: by counts. The lengths are found as the Trainer's
+    train_sampling_strategy="batch_rebalance" finds them (measured). The collator must be the Trainer's: "packed" with
+    DataCollatorWithFlattening, "padded" with any other."""
     from transformers import DataCollatorWithFlattening
 
-    packs = isinstance(trainer.data_collator, DataCollatorWithFlattening)
-    if packs != (said == "packed"):
+    bal = trainer.balance
+    layout = "packed" if isinstance(trainer.data_collator, DataCollatorWithFlattening) else "padded"
+    said = bal.settings.collator
+    if said is None:  # the default: by tokens where the lengths vary and nothing rules it out
+        lengths = measured(trainer, ds)
+        if tokens_refusal(bal, layout) is not None or lengths is None or len(set(lengths)) < 2:
+            return {}
+        return {"lengths": lengths, "collator": layout}
+    if layout != said:
         raise ValueError(f"hetero: the Balance's collator={said!r}, but the Trainer's data_collator is "
-                         f"{type(trainer.data_collator).__name__}: set collator={'packed' if packs else 'padded'!r} "
-                         f"(how it lays out a rank's rows)")
+                         f"{type(trainer.data_collator).__name__}: set collator={layout!r} (how it lays out a rank's "
+                         f"rows)")
+    if (lengths := measured(trainer, ds)) is None:
+        raise ValueError(f"hetero: collator={said!r} splits by tokens, and the train dataset's items have no "
+                         f"'{_input_name(trainer)}' to measure: add a '{trainer.args.length_column_name}' column "
+                         f"(args.length_column_name)")
+    return {"lengths": lengths}
+
+
+def _input_name(trainer: Trainer) -> str:
+    return (getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"])[0]
+
+
+def measured(trainer: Trainer, ds) -> list[int] | None:
+    """Every sample's length, as batch_rebalance finds it: the length column (args.length_column_name) of a
+    datasets.Dataset, else the length of each item's model input (the processing class's first input name, else
+    input_ids); None where an item has none."""
     column = trainer.args.length_column_name
     if hasattr(ds, "column_names") and column in ds.column_names:
-        return {"lengths": [int(n) for n in ds[column]]}
-    names = getattr(trainer.processing_class, "model_input_names", None) or ["input_ids"]
-    lengths = []
+        return [int(n) for n in ds[column]]
+    name, lengths = _input_name(trainer), []
+    if hasattr(ds, "column_names") and name in ds.column_names:  # a datasets.Dataset: the column at once
+        return [len(x) for x in ds[name]]
     for i in range(len(ds)):
         item = ds[i]
-        if not isinstance(item, Mapping) or names[0] not in item:
-            raise ValueError(f"hetero: collator={said!r} splits by tokens, and item {i} of the train dataset has no "
-                             f"'{names[0]}' to measure: add a '{column}' column (args.length_column_name)")
-        lengths.append(len(item[names[0]]))
-    return {"lengths": lengths}
+        if not isinstance(item, Mapping) or name not in item or not hasattr(item[name], "__len__"):
+            return None
+        lengths.append(len(item[name]))
+    return lengths

@@ -121,7 +121,8 @@ def _exact_run(tmp_path, *cases: str) -> subprocess.CompletedProcess:
 
 
 # strategy:mode[:broken]: every case that must train, each a fit of its own in one Lightning launch
-CASES = ["ddp:micro", "fsdp:micro", "fsdp:batch", "ddp:micro:double", "ddp:micro:remove", "ddp:micro:equal"]
+CASES = ["ddp:micro", "fsdp:micro", "fsdp:batch", "ddp:micro:double", "ddp:micro:remove", "ddp:micro:equal",
+         "ddp:tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +237,20 @@ def test_the_accumulation_example_on_fsdp2_covers_every_sample_and_moves_micro_b
     assert counts[1][-1] < counts[0][-1]                                      # direction only: no timing asserted
     losses = [float(x) for x in re.findall(r"train loss ([\d.]+)", p.stdout)]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+@pytest.mark.slow  # in the launch of CASES
+def test_a_step_split_by_tokens_is_one_process_on_the_unpacked_union(exact):
+    """Lightning with Balance(collator="padded", loss_mean="tokens") and the BalanceCallback: each rank's rows chosen
+    by their cost, a token-mean loss, the engine's n_i / N; one process's SGD step on the step's window, each document
+    alone (tests/tokenlm.py; its launch without Lightning: test_tokens_launch.py)."""
+    import tokenlm
+
+    mod = _script()
+    ranks = exact["ddp:tokens"]
+    window = EpochPlan(mod.N, mod.B, 0, 0).perm[:mod.B].tolist()
+    assert sorted(i for r in ranks for b in r["batches"] for i in b) == sorted(window)
+    want = tokenlm.reference([window], mod.TOKENS, mod.LABELS, "tokens", mod.LR)[0]
+    for r in ranks:
+        got = [v for p in r["params"] for v in p]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-9

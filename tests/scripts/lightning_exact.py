@@ -5,7 +5,9 @@ fit finds LOCAL_RANK set by the first launch and the process group formed, as Li
 
 STRATEGY: ddp (DDPStrategy) or fsdp (ModelParallelStrategy, fully_shard in configure_model).
 MODE: micro (micro_batch 4, replayed counts k = [1, 3], manual optimisation: each batch in `with bal.step():`),
-      or batch (no micro_batch, replayed sizes [3, 13], automatic optimisation).
+      batch (no micro_batch, replayed sizes [3, 13], automatic optimisation), or tokens (documents of 1-64 tokens,
+      Balance(collator="padded", loss_mean="tokens"): each step split by the lengths, a token-mean loss, automatic
+      optimisation; tests/tokenlm.py).
 BREAK (negative controls): double (this rank's weight doubled), remove (scheme "sync": the mean of the ranks'
       means, no b_i/B weighting), equal (counts [2, 2] instead of [1, 3]), tp (ModelParallelStrategy with
       tensor_parallel_size 2: refused in one line).
@@ -15,6 +17,7 @@ ends the launch.
 """
 import json
 import sys
+from pathlib import Path
 
 import lightning as L
 import numpy as np
@@ -24,7 +27,12 @@ from torch.utils.data import DataLoader, Dataset
 
 import hetero
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the variable-length model of tokenlm.py
+import tokenlm  # noqa: E402
+
 N, B, M, LR = 32, 16, 4, 0.5  # 2 steps per epoch of the global batch 16; one is trained
+LENGTHS, TOKENS, LABELS = tokenlm.corpus(N, longest=64)
+COUNTED = np.array([int((y != tokenlm.IGNORE).sum()) for y in LABELS])
 
 
 def net() -> torch.nn.Module:
@@ -79,6 +87,19 @@ class Module(L.LightningModule):
             json.dump({"batches": self.batches, "params": params}, f)
 
 
+class Tokens(Module):
+    """Split by tokens: this rank's documents padded, a token-mean loss (the engine weighs n_i / N)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.net = tokenlm.PrefixLM()
+
+    def training_step(self, batch, batch_idx):
+        idx, docs = batch
+        self.batches.append(idx)
+        return tokenlm.loss(self.net, docs, "tokens", len(idx))
+
+
 class Micro(Module):
     """Per-rank accumulation: manual optimisation, Lightning's dataloader_iter, each micro-batch in bal.step()."""
 
@@ -102,10 +123,12 @@ class Micro(Module):
 def fit(out: str, strategy: str, mode: str, broken: str) -> None:
     """One case: one optimizer step of a fit, recorded under OUT.STRATEGY-MODE-BREAK."""
     out = f"{out}.{strategy}-{mode}-{broken or 'ok'}"
-    micro = mode == "micro"
+    micro, tokens = mode == "micro", mode == "tokens"
     sizes = [8, 8] if broken == "equal" else [M, B - M] if micro else [3, B - 3]
-    bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0)
-    bal.replay({0: np.array([sizes] * (N // B))})
+    bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0,
+                         **({"collator": "padded", "loss_mean": "tokens"} if tokens else {}))
+    if not tokens:
+        bal.replay({0: np.array([sizes] * (N // B))})
     if strategy == "fsdp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -118,8 +141,13 @@ def fit(out: str, strategy: str, mode: str, broken: str) -> None:
     trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strat, use_distributed_sampler=False,
                         callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
-    loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
-    trainer.fit((Micro if mode == "micro" else Module)(bal, out, strategy, mode, broken), loader)
+    if tokens:
+        loader = DataLoader(range(N), batch_sampler=bal.batch_sampler(N, lengths=LENGTHS, loss_tokens=COUNTED),
+                            collate_fn=lambda idx: (idx, tokenlm.collate(idx, TOKENS, LABELS, "padded")))
+    else:
+        loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
+    kind = {"micro": Micro, "tokens": Tokens}.get(mode, Module)
+    trainer.fit(kind(bal, out, strategy, mode, broken), loader)
 
 
 def main(out: str, *cases: str) -> int:

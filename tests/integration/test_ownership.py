@@ -157,7 +157,10 @@ def test_killed_launcher_takes_its_workers_and_resume_never_runs_beside_them(tmp
     proc = subprocess.Popen(torchrun_cmd(2, args), cwd=ROOT, env={**_env(), MARKER: marker},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     t0 = time.time()
-    while not ((run / "epochs.csv").exists() and len(pd.read_csv(run / "epochs.csv")) >= 1):
+    # epoch 1 saved: its row, then its checkpoint, then summary.json (the last of the three; killed between them, a
+    # busy host showed, the folder has no summary yet, and the verdict below would rest on where the kill landed)
+    while not ((run / "epochs.csv").exists() and len(pd.read_csv(run / "epochs.csv")) >= 1
+               and (run / "summary.json").exists()):
         assert proc.poll() is None and time.time() - t0 < 240
         time.sleep(0.1)
     ranks = [p for p in _workers(marker) if p != proc.pid]

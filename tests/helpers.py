@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from torch.utils.data import Dataset
@@ -54,22 +53,52 @@ def max_diff(got: list, want: list[torch.Tensor]) -> float:
     return max((torch.tensor(g) - w).abs().max().item() for g, w in zip(got, want))
 
 
+# What every spawned rank imports, loaded once per test process into multiprocessing's fork server: each rank is then
+# forked from that server without importing them again (about 2 s of CPU a rank under spawn, transformers' Trainer 4 s
+# more). The server must hold no thread when it forks (a lock another thread held would stay locked in the child):
+# it starts with one BLAS/OpenMP thread, and nothing here starts one (pandas' allocator does: helpers imports it late)
+PRELOAD = ["torch", "torch.distributed", "numpy", "hetero.core.balance", "hetero.core.tokens", "helpers", "tokenlm"]
+PRELOAD_IF_INSTALLED = ["transformers", "accelerate"]
+
+
+def _server() -> None:
+    """Start this process's fork server (once; later calls return at once), single-threaded as above."""
+    import importlib.util
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(PRELOAD + [m for m in PRELOAD_IF_INSTALLED if importlib.util.find_spec(m)])
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    os.environ.update(dict.fromkeys(saved, "1"))
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _forked(rank: int, env: dict, worker, *args) -> None:
+    """A rank forked from the server: the environment the test process had at the launch (the server's is from its
+    own start), then the worker."""
+    os.environ.clear()
+    os.environ.update(env)
+    worker(rank, *args)
+
+
 def spawned(worker, out: Path, nprocs: int = 2, args: tuple = ()) -> list[dict]:
-    """Run `worker(rank, str(out), *args)` in `nprocs` spawned gloo ranks (torch.multiprocessing, a free port), each
-    writing OUT/rank{r}.json; the ranks' results, in rank order (one launch, many checks). MASTER_ADDR/MASTER_PORT are
-    set for the children only: this process's environment is as it was after (a later test in the same process, or
-    another pytest-xdist file, must not inherit them)."""
+    """Run `worker(rank, str(out), *args)` in `nprocs` gloo ranks (torch.multiprocessing, a free port), each
+    writing OUT/rank{r}.json; the ranks' results, in rank order (one launch, many checks). The ranks start from the
+    fork server (_server) and see this process's environment with MASTER_ADDR/MASTER_PORT set, which this process's
+    own environment does not keep (a later test in the same process, or another pytest-xdist file, must not inherit
+    them)."""
     import torch.multiprocessing as mp
 
     from hetero.lab.launch import free_port
 
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    try:
-        mp.spawn(worker, args=(str(out), *args), nprocs=nprocs, join=True)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    _server()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    mp.start_processes(_forked, args=(env, worker, str(out), *args), nprocs=nprocs, join=True,
+                       start_method="forkserver")
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nprocs)]
 
 
@@ -116,6 +145,8 @@ def read_run(run_dir: Path) -> dict:
     """The run folder's tables and JSON files."""
     # floats read back exactly as written (Python's repr), so recorded times replay exactly: pandas 3 does so by
     # default (and deprecates the option); older pandas needs round_trip
+    import pandas as pd  # here, not at the top: its allocator's thread must not be in the fork server (PRELOAD)
+
     exact = {} if int(pd.__version__.split(".")[0]) >= 3 else {"float_precision": "round_trip"}
     out = {t: pd.read_csv(run_dir / f"{t}.csv", **exact) for t in ("epochs", "ranks", "steps")}
     out["summary"] = json.loads((run_dir / "summary.json").read_text())

@@ -55,3 +55,38 @@ def test_every_named_test_exists(durations):
         path, test = name.split("::", 1)
         assert (ROOT / path).is_file(), name
         assert f"def {test.split('::')[-1]}(" in (ROOT / path).read_text(), name
+
+
+THREADS = """
+import importlib, os, sys, threading, time
+for m in sys.argv[1:]:
+    if m == "thread":  # the counter's control
+        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    else:
+        importlib.import_module(m)
+print(len(os.listdir("/proc/self/task")))
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_the_fork_server_of_spawned_ranks_imports_nothing_that_starts_a_thread():
+    """helpers.spawned forks every rank from a server that has imported PRELOAD: a thread there (holding a lock at the
+    fork) could leave a rank hung. One thread after importing them, as the server starts (one BLAS thread); one started
+    beside them is counted (the control)."""
+    import subprocess
+    import sys
+
+    import helpers
+
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT / "tests")}
+    mods = helpers.PRELOAD + [m for m in helpers.PRELOAD_IF_INSTALLED if importlib.util.find_spec(m)]
+
+    def threads(*modules: str) -> int:
+        p = subprocess.run([sys.executable, "-c", THREADS, *modules], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return int(p.stdout.split()[-1])
+
+    assert threads(*mods) == 1
+    assert threads(*mods, "thread") == 2

@@ -31,7 +31,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -39,6 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import hetero
 from hetero.lab.launch import ROOT, clean_env, free_port
+
+from helpers import spawned
 
 pytestmark = pytest.mark.slow  # four two-rank launches of the loop doors, one per framework cell, one held cell
 
@@ -160,8 +161,7 @@ def _worker(rank: int, out: str, door: str, kind: str, ports: list[int]) -> None
 def door(request, tmp_path_factory) -> tuple[str, list[dict]]:
     out = tmp_path_factory.mktemp("doors")
     ports = [free_port() for _ in MISUSES]
-    mp.spawn(_worker, args=(str(out), *request.param, ports), nprocs=2, join=True)
-    return request.param, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return request.param, spawned(_worker, out, 2, (*request.param, ports))
 
 
 @pytest.mark.parametrize("misuse", MISUSES)

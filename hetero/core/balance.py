@@ -67,6 +67,8 @@ class Balance:
             batch_sampler's lengths and each rank's fitted per-token cost (docs/tokens.md); None: by counts.
         attention: with collator, a squared length's weight in a row's cost; None: fitted with the costs.
         loss_mean: "samples" (weights b_i/B) or, with collator, "tokens" (a token-mean loss: weights n_i/N).
+        max_tokens: with collator and micro_batch m, the most tokens one micro-batch of a rank holds (an int, or one
+            per rank, None: no cap): its rows are at most max_tokens // m tokens long (docs/tokens.md).
 
     Raises:
         ValueError: a setting out of range, in one line.
@@ -76,12 +78,13 @@ class Balance:
                  deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1,
                  max_batch: int | str | Sequence | None = None, seed: int = 0, lag: int | None = None,
                  sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None,
-                 collator: str | None = None, attention: float | None = None, loss_mean: str = "samples"):
+                 collator: str | None = None, attention: float | None = None, loss_mean: str = "samples",
+                 max_tokens: int | Sequence | None = None):
         self.settings = Settings(global_batch=global_batch, scheme=scheme, rebalance_every=rebalance_every,
                                  smoothing=smoothing, deadband=deadband, significance=significance,
                                  min_batch=min_batch, max_batch=max_batch, seed=seed, lag=lag, sit_out=sit_out,
                                  micro_batch=micro_batch, worker_id=worker_id, collator=collator,
-                                 attention=attention, loss_mean=loss_mean)
+                                 attention=attention, loss_mean=loss_mean, max_tokens=max_tokens)
         self._hetero, self._replay, self._probed = "", None, False
         self._engine: Engine | None = None
         self._data: tuple = (0, None)  # batch_sampler's n_samples and by_tokens', kept for a world bound after it

@@ -63,6 +63,15 @@ class SizeSchedule:
         # what the split predicts: in micro-batches a rank's rows cost about the sum of their lengths (exactly, for
         # micro-batches of one row; sorted longest first, micro-batches of m pad little)
         self.split_layout = "packed" if settings.micro_batch else settings.collator
+        # max_tokens: the longest row each rank takes, so that a micro-batch of m rows holds at most its tokens
+        # (padded: m x the longest row; packed: the sum of m lengths, at most that); inf: no cap
+        self.row_caps = None
+        if settings.max_tokens is not None:
+            tokens, m = settings.per_rank_tokens(world), settings.micro_batch
+            if (short := [r for r, t in enumerate(tokens) if t < m]):
+                raise ValueError(f"hetero: rank {short[0]}'s max_tokens {tokens[short[0]]:g} holds no micro-batch of "
+                                 f"{m} rows (a row is at least one token): lower micro_batch or raise max_tokens")
+            self.row_caps = np.array([t if t == float("inf") else t // m for t in tokens], dtype=float)
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
 
     # -- the limits -------------------------------------------------------------------------------------------
@@ -122,15 +131,34 @@ class SizeSchedule:
         regime's fitted costs (each rank's rows in the permutation's order)."""
         if self._perm is None or self._perm[0] != epoch:
             self._perm = (epoch, permutation(self.n_samples, self.seed, epoch).numpy())
+            self._check_caps(epoch)
         B = self.settings.global_batch
         window = self._perm[1][step * B:(step + 1) * B]
         fixed, per = costs.coefficients()
         cost = Cost(self.split_layout, costs.attention)
-        parts = split(self.lengths[window], fixed, per, cost, min_rows=self.settings.min_batch)
+        parts = split(self.lengths[window], fixed, per, cost, self.row_caps, min_rows=self.settings.min_batch)
         if not self.settings.micro_batch:
             return [window[np.sort(p)] for p in parts]
         # micro-batches of m: each rank's rows longest first (ties by position), so a padded micro-batch pads least
         return [window[p][np.lexsort((window[p], -self.lengths[window[p]]))] for p in parts]
+
+    def _check_caps(self, epoch: int) -> None:
+        """max_tokens, before an epoch's first split: every step's window can give each rank min_batch rows it
+        holds (else one line on every rank alike, naming the step: the windows are the same everywhere)."""
+        if self.row_caps is None:
+            return
+        B, k = self.settings.global_batch, self.settings.min_batch
+        order = np.argsort(self.row_caps, kind="stable")  # the ranks holding the shortest rows first
+        for step in range(self.steps_per_epoch):
+            L = np.sort(self.lengths[self._perm[1][step * B:(step + 1) * B]])
+            # Hall's condition on nested sets: the j ranks with the lowest caps take rows only under the j-th cap
+            for j, r in enumerate(order, start=1):
+                if np.searchsorted(L, self.row_caps[r], side="right") < j * k:
+                    raise HeteroError(
+                        f"hetero: step {step} of epoch {epoch} cannot give rank {r} {k} row(s) of at most "
+                        f"{self.row_caps[r]:g} tokens (its max_tokens over micro_batch) beside the ranks holding "
+                        f"less: its {B} samples are {int(L[0])}-{int(L[-1])} tokens long; raise rank {r}'s max_tokens "
+                        f"or the global batch")
 
     def rows_at(self, epoch: int, step: int) -> list[np.ndarray]:
         """By tokens: every rank's sample indices at (epoch, step), fixed from now on (as sizes_at)."""
@@ -166,6 +194,12 @@ class SizeSchedule:
         if tokens is not None:
             self.lengths, self.counted, self.seed = tokens
             self._perm = None
+            if self.row_caps is not None and (long := np.flatnonzero(self.lengths > self.row_caps.max())).size:
+                i, m = int(long[0]), self.settings.micro_batch
+                raise ValueError(f"hetero: sample {i} is {int(self.lengths[i])} tokens long, more than any rank holds "
+                                 f"in a micro-batch of {m} row(s) (the largest max_tokens, "
+                                 f"{self.row_caps.max() * m:g}, over micro_batch): raise max_tokens or lower "
+                                 f"micro_batch ({long.size} sample(s) too long)")
 
     def start_iteration(self, epoch: int, first: int) -> int:
         """A sampler starts handing out `epoch` at step `first` (> 0 in an epoch resumed mid-way): refuse a second

@@ -31,6 +31,7 @@ class Settings:
     collator: str | None = None   # None: split by counts; "padded" or "packed": by tokens (batch_sampler's lengths)
     attention: float | None = None  # with collator: a squared length's weight in a row's cost (None: fitted)
     loss_mean: str = "samples"    # the loss's mean: over samples (weights b_i/B) or over tokens (n_i/N)
+    max_tokens: int | Sequence | None = None  # with collator and micro_batch: tokens one micro-batch holds, per rank
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -76,6 +77,14 @@ class Settings:
             if v not in (None, "probe", float("inf")):
                 whole("max_batch", v, 0)
         return per_rank
+
+    def per_rank_tokens(self, world: int) -> list[float]:
+        """max_tokens as one number per rank (inf: no cap), each checked."""
+        v = self.max_tokens
+        per_rank = list(v) if isinstance(v, (list, tuple)) else [v] * world
+        if len(per_rank) != world:
+            raise ValueError(f"hetero: max_tokens has {len(per_rank)} entries for {world} ranks")
+        return [float("inf") if t is None else whole("max_tokens", t, 1) for t in per_rank]
 
     def shared(self) -> dict:
         """The settings every rank must share, as plain data (the worker's own identity is not one)."""

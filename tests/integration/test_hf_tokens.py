@@ -29,7 +29,20 @@ from helpers import max_diff, spawned  # noqa: E402
 N, B, T, VOCAB, LR, SEED, STEPS = 48, 16, 32, 16, 0.5, 5, 3
 CASES = {"padded": "padded", "packed": "packed", "packed-without-document-mask": "packed",
          "accumulated-padded": "padded", "accumulated-packed": "packed",  # per_device_train_batch_size 1, G = 8
-         "default-padded": None, "default-packed": None}  # a Balance without a collator: the Trainer's default
+         "default-padded": None, "default-packed": None,  # a Balance without a collator: the Trainer's default
+         "capped-accumulated-padded": "padded"}  # rank 1 holds rows of at most CAP tokens (max_tokens)
+CAP = 16
+
+
+def _longest(model) -> list[int]:
+    """The longest row each forward of `model` ran, kept in the list returned (a forward pre-hook: the model's
+    signature, which the Trainer reads, stays the Llama's)."""
+    seen = [0]
+
+    def hook(module, args, kwargs):
+        seen[0] = max(seen[0], int(kwargs["attention_mask"].sum(1).max()))
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
 
 
 class Unmasked(tf.LlamaForCausalLM):
@@ -85,17 +98,21 @@ def _worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     result = {}
     for case, collator in CASES.items():
-        micro = case.startswith("accumulated")  # the common LLM setting: rows one at a time, accumulated
-        bal = hetero.Balance(global_batch=B, seed=SEED, collator=collator, rebalance_every=1, micro_batch=int(micro))
+        micro = "accumulated" in case  # the common LLM setting: rows one at a time, accumulated
+        bal = hetero.Balance(global_batch=B, seed=SEED, collator=collator, rebalance_every=1, micro_batch=int(micro),
+                             max_tokens=[None, CAP] if case.startswith("capped") else None)
         bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
-        model = _model(Unmasked if case == "packed-without-document-mask" else tf.LlamaForCausalLM)
+        model = _model(Unmasked if case == "packed-without-document-mask" else
+                       tf.LlamaForCausalLM)
         args = _args(f"{out}/{case}", 1, gradient_accumulation_steps=B // 2) if micro else \
             _args(f"{out}/{case}", B // 2)
         trainer = HeteroTrainer(model=model, args=args, train_dataset=Docs(),
                                 data_collator=_collator(case), balance=bal)
+        longest = _longest(model) if case.startswith("capped") else [None]
         trainer.train()
         result[case] = {"params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
-                        "sizes": bal.last_sizes, "kind": trainer._loss_kind, "collator": bal.settings.collator}
+                        "sizes": bal.last_sizes, "kind": trainer._loss_kind, "collator": bal.settings.collator,
+                        "longest": longest[0]}
     bal = hetero.Balance(global_batch=B, seed=SEED, collator="packed")
     trainer = HeteroTrainer(model=_model(), args=_args(f"{out}/unnumbered", B // 2), train_dataset=Docs(),
                             data_collator=tf.DataCollatorWithFlattening(return_position_ids=False), balance=bal)
@@ -124,13 +141,19 @@ def union(tmp_path_factory) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", ["padded", "packed", "accumulated-padded", "accumulated-packed", "default-padded",
-                                  "default-packed"])
+                                  "default-packed", "capped-accumulated-padded"])
 def test_the_trainer_split_by_tokens_steps_as_one_process_on_the_unpacked_union(trained, union, case):
     moved = max_diff([p.detach().flatten().tolist() for p in _model().parameters()], union)
     assert moved > 1e-3
     for rank in trained:
         assert rank[case]["kind"] == "trainer" and rank[case]["collator"] == case.split("-")[-1]
         assert max_diff(rank[case]["params"], union) < 1e-5, f"{case}: not the union's steps (they moved {moved:.3g})"
+
+
+def test_max_tokens_keeps_a_ranks_rows_within_its_cap_in_the_trainer(trained):
+    """Rows of 2-32 tokens, one a forward: rank 1's max_tokens (CAP) holds no longer row, rank 0 takes them."""
+    longest = [rank["capped-accumulated-padded"]["longest"] for rank in trained]
+    assert longest[1] <= CAP < longest[0], longest
 
 
 def test_packed_without_the_document_mask_misses_the_union(trained, union):

@@ -22,7 +22,10 @@ import tokenlm
 from helpers import spawned
 
 N, B, LR = 72, 24, 0.5  # 3 steps an epoch
-MICRO = {"micro2-padded-tokens": 2, "micro1-packed-samples": 1, "micro3-padded-samples": 3}  # micro_batch m
+MICRO = {"micro2-padded-tokens": 2, "micro1-packed-samples": 1, "micro3-padded-samples": 3,
+         "capped-micro1-padded-tokens": 1}  # micro_batch m
+CAP = 200  # max_tokens of the last rank in the capped case (the others none): no row of it longer
+
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
     #               the loop sets equal weights)
     "padded-tokens": ("padded", "tokens", "tokens", True, False),
@@ -35,6 +38,8 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "micro2-padded-tokens": ("padded", "tokens", "tokens", True, False),
     "micro1-packed-samples": ("packed", "samples", "samples", True, False),
     "micro3-padded-samples": ("padded", "samples", "samples", True, False),
+    # per-rank memory: the last rank holds one row of at most CAP tokens a forward (max_tokens), the others any
+    "capped-micro1-padded-tokens": ("padded", "tokens", "tokens", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, True),
@@ -52,7 +57,9 @@ def _worker(rank: int, out: str, world: int) -> None:
         net = tokenlm.PrefixLM(documents=documents)
         ddp = fully_shard(net) if name.startswith("fsdp2") else DDP(net)
         m = MICRO.get(name, 0)
-        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1, micro_batch=m)
+        caps = [None] * (world - 1) + [CAP] if name.startswith("capped") else None
+        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1, micro_batch=m,
+                             max_tokens=caps)
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted if mean == "tokens" else None)
@@ -118,6 +125,10 @@ def test_a_split_by_tokens_equals_one_process_on_the_unpacked_union(launched, na
     for r in ranks:  # after 1 and after 3 steps, on every rank
         assert _miss(r[name]["params"][0], want[0]) < 1e-9
         assert _miss(r[name]["params"][2], want[2]) < 1e-9
+    if name.startswith("capped"):  # the last rank's rows all fit its max_tokens; some step had longer ones
+        lengths = tokenlm.corpus(N)[0]
+        assert max(lengths[i] for s in ranks[-1][name]["rows"] for i in s) <= CAP
+        assert max(lengths[i] for s in steps for i in s) > CAP
     perm = EpochPlan(N, B, 0, 0).perm.tolist()  # not the split by counts: rank 0's rows are not the window's head
     assert any(sorted(r0) != sorted(perm[s * B:s * B + len(r0)]) for s, r0 in enumerate(ranks[0][name]["rows"]))
 

@@ -130,14 +130,14 @@ def test_the_front_stays_thin():
     """Issue 33: the Balance class holds the user's verbs and delegates, the parts beneath it doing the work. Issue
     46 put the hosts' verbs on it (position, workers, world, set_weight, mark_backward; size and global_step went),
     each with its Args / Returns / Raises for the API page; issue 49 the split by tokens (collator, attention,
-    loss_mean, batch_sampler's lengths): under 310 lines (docstrings included) and at most 26 public names."""
+    loss_mean, max_tokens, batch_sampler's lengths): under 315 lines (docstrings included), at most 26 public names."""
     import inspect
 
     from hetero import Balance
 
     lines, _ = inspect.getsourcelines(Balance)
     public = [n for n in vars(Balance) if not n.startswith("_")]
-    assert len(lines) < 310, len(lines)
+    assert len(lines) < 315, len(lines)
     assert len(public) <= 26, public
 
 

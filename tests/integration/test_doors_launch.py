@@ -39,8 +39,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import hetero
 from hetero.lab.launch import ROOT, clean_env, free_port
 
-from helpers import spawned
-
 pytestmark = pytest.mark.slow  # four two-rank launches of the loop doors, one per framework cell, one held cell
 
 N, B, M = 64, 16, 4  # samples, global batch, micro-batch (counts [3, 1] or [1, 3] of 4)
@@ -161,6 +159,8 @@ def _worker(rank: int, out: str, door: str, kind: str, ports: list[int]) -> None
 def door(request, tmp_path_factory) -> tuple[str, list[dict]]:
     out = tmp_path_factory.mktemp("doors")
     ports = [free_port() for _ in MISUSES]
+    from helpers import spawned  # here: the framework cells run this file as a script, without tests/ on the path
+
     return request.param, spawned(_worker, out, 2, (*request.param, ports))
 
 

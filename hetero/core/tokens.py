@@ -22,6 +22,7 @@ every case tried; packed: within 15%) and against the fluid lower bound on steps
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import numbers
 from dataclasses import dataclass
@@ -139,30 +140,35 @@ def _coefficients(n_ranks: int, fixed_s, per_unit_s, caps) -> tuple[np.ndarray, 
 
 
 class _Search:
-    """The contiguous search for one order of the ranks: each takes a run of the samples sorted longest first."""
+    """The contiguous search for one order of the ranks: each takes a run of the samples sorted longest first. The
+    bisection calls `place` some 40 times: it works on Python floats and lists (bisect), not numpy scalars."""
 
     def __init__(self, desc: np.ndarray, a, c, cap, order: list[int], cost: Cost, min_rows: int):
         self.desc, self.a, self.c, self.cap, self.order, self.cost = desc, a, c, cap, order, cost
         self.min_rows = min_rows
         d = desc.astype(float)
-        self.row = d * (1.0 + cost.attention * d)  # padded: the cost of one row padded to desc[pos]
-        self.prefix = np.concatenate([[0.0], np.cumsum(cost.unit(d))])  # packed: units of desc[:k]
+        self.row = (d * (1.0 + cost.attention * d)).tolist()  # padded: the cost of one row padded to desc[pos]
+        self.prefix = np.concatenate([[0.0], np.cumsum(cost.unit(d))]).tolist()  # packed: units of desc[:k]
+        self._ranks = [(float(a[r]), float(c[r]), float(cap[r])) for r in order]
+        self._lengths = desc.tolist()
 
-    def _fits(self, r: int, pos: int, T: float) -> int:
-        """How many samples from pos on rank r can take within T (the run's cost is monotone in its length)."""
-        budget = (T - self.a[r]) / self.c[r]
+    def _fits(self, a: float, c: float, pos: int, T: float) -> int:
+        """How many samples from pos a rank of fixed cost a and cost c per unit can take within T (the run's cost is
+        monotone in its length)."""
+        budget = (T - a) / c
         if budget < 0:
             return 0
         if self.cost.collator == "padded":
             return int(budget // self.row[pos])
-        return int(np.searchsorted(self.prefix, self.prefix[pos] + budget, side="right")) - 1 - pos
+        return bisect.bisect_right(self.prefix, self.prefix[pos] + budget) - 1 - pos
 
     def place(self, T: float) -> list[int] | None:
         """How many of the sorted samples each rank (in self.order) takes at time T, or None if some are left."""
-        n, pos, took = self.desc.size, 0, []
-        for j, r in enumerate(self.order):
-            room = n - pos - self.min_rows * (len(self.order) - j - 1)  # the ranks still to come are owed min_rows
-            k = 0 if pos >= n or self.desc[pos] > self.cap[r] else min(self._fits(r, pos, T), room)
+        n, pos, took, left = len(self._lengths), 0, [], len(self._ranks)
+        for a, c, cap in self._ranks:
+            left -= 1
+            room = n - pos - self.min_rows * left  # the ranks still to come are owed min_rows
+            k = 0 if pos >= n or self._lengths[pos] > cap else min(self._fits(a, c, pos, T), room)
             if k < self.min_rows:
                 return None
             took.append(k)
@@ -202,11 +208,13 @@ def _greedy(desc: np.ndarray, a, c, cap, cost: Cost) -> list[list[int]] | None:
     ranks = range(len(a_))
     work = [0.0] * len(a_)
     rows: list[list[int]] = [[] for _ in ranks]
+    w = cost.attention
     for j, length in enumerate(desc.tolist()):
-        unit = length * (1.0 + cost.attention * length)
-        best, r = min(((a_[q] + c_[q] * (work[q] + unit), q) for q in ranks if cap_[q] >= length),
-                      default=(None, -1))
-        if best is None:
+        unit, best, r = length * (1.0 + w * length), float("inf"), -1
+        for q in ranks:  # the first rank of the least time (a plain loop: no tuple or generator per rank)
+            if cap_[q] >= length and (t := a_[q] + c_[q] * (work[q] + unit)) < best:
+                best, r = t, q
+        if r < 0:
             return None
         work[r] += unit
         rows[r].append(j)

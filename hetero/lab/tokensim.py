@@ -11,11 +11,13 @@ an attention term), times lognormal noise (mean 1). Each step's B samples are th
 - tokens: hetero by cost: tokens.split with each rank's cost model fitted online (tokens.CostModel) every K steps;
 - ideal: tokens.split with the true coefficients, under the same noise (the denominator).
 
-    python -m hetero.lab.tokensim            # the table for equal ranks and rank 1 three times slower
+    python -m hetero.lab.tokensim                # the table for equal ranks and rank 1 three times slower
+    python -m hetero.lab.tokensim --split-cost   # what one split costs on this host (ms, median), by size and ranks
 """
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,12 +114,39 @@ def table(global_batch: int = 64, steps: int = 400, seed: int = 0) -> list[dict]
     return rows
 
 
+def split_cost(sizes=(32, 128, 512), worlds=(2, 4, 8), repeats: int = 21, seed: int = 0) -> list[dict]:
+    """The host time of one tokens.split (ms: median and the fastest of `repeats`) for steps of lognormal lengths
+    (median 64, capped at 1024), padded and packed (attention 0.001), ranks of random fixed and per-token costs, some
+    3x slower: what every rank spends on a step's split when it is first handed out."""
+    rng, rows = np.random.default_rng(seed), []
+    for collator in ("padded", "packed"):
+        for n in sizes:
+            for w in worlds:
+                L = np.minimum(np.exp(rng.normal(np.log(64), 1.0, n)).astype(int) + 1, 1024)
+                a, c = rng.uniform(0, 0.01, w), rng.uniform(1e-5, 3e-5, w) * rng.choice([1, 3], w)
+                spent = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    split(L, a, c, Cost(collator, attention=0.001))
+                    spent.append(time.perf_counter() - t0)
+                rows.append({"collator": collator, "samples": n, "ranks": w, "median_ms": 1e3 * float(np.median(spent)),
+                             "fastest_ms": 1e3 * min(spent)})
+    return rows
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--global-batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split-cost", action="store_true", help="time one split instead (ms per step, by size and ranks)")
     a = p.parse_args(argv)
+    if a.split_cost:
+        print("| collator | samples | ranks | ms, median | ms, fastest |")
+        print("|---|---|---|---|---|")
+        for r in split_cost(seed=a.seed):
+            print(f"| {r['collator']} | {r['samples']} | {r['ranks']} | {r['median_ms']:.2f} | {r['fastest_ms']:.2f} |")
+        return
     print("| collator | ranks | policy | time / ideal | wait per step (ms) | rank 1's token share |")
     print("|---|---|---|---|---|---|")
     for r in table(a.global_batch, a.steps, a.seed):

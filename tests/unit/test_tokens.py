@@ -548,3 +548,14 @@ def test_max_tokens_per_rank_entries_must_match_the_world_and_hold_a_micro_batch
     with pytest.raises(ValueError, match="^hetero: rank 1's max_tokens 1 holds no micro-batch of 2 rows"):
         _capped(0, 2, lengths, [64, 1])
     _capped(0, 2, lengths, [64, None])  # None: no cap on that rank
+
+
+def test_the_split_cost_table_times_each_layout_size_and_world():
+    """python -m hetero.lab.tokensim --split-cost (docs/balancers.md#tokens): one row per layout, size and world,
+    each a positive time (a smoke test: the figure is the host's, never a verdict)."""
+    from hetero.lab.tokensim import split_cost
+
+    rows = split_cost(sizes=(8, 16), worlds=(2,), repeats=1)
+    assert [(r["collator"], r["samples"], r["ranks"]) for r in rows] == [
+        ("padded", 8, 2), ("padded", 16, 2), ("packed", 8, 2), ("packed", 16, 2)]
+    assert all(0 < r["fastest_ms"] <= r["median_ms"] for r in rows)

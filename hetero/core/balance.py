@@ -67,8 +67,8 @@ class Balance:
             batch_sampler's lengths and each rank's fitted per-token cost (docs/tokens.md); None: by counts.
         attention: with collator, a squared length's weight in a row's cost; None: fitted with the costs.
         loss_mean: "samples" (weights b_i/B) or, with collator, "tokens" (a token-mean loss: weights n_i/N).
-        max_tokens: with collator and micro_batch m, the most tokens one micro-batch of a rank holds (an int, or one
-            per rank, None: no cap): its rows are at most max_tokens // m tokens long (docs/tokens.md).
+        max_tokens: with collator and micro_batch, the most tokens one micro-batch of a rank holds (an int, or one
+            per rank, None: no cap): its rows are cut into micro-batches within it (docs/tokens.md).
 
     Raises:
         ValueError: a setting out of range, in one line.
@@ -287,7 +287,9 @@ class Balance:
         if (s := e.running(required=False)) is not None:
             return s.expected
         at = e.plan.at
-        return -(-int(self.sizes_at(at.epoch, at.step)[e.plan.rank]) // m) if m else 1  # the last may be short
+        if m and self.settings.by_tokens:  # cut by count and max_tokens
+            return len(e.plan.schedule.micro_at(at.epoch, at.step)[e.plan.rank])
+        return -(-int(self.sizes_at(at.epoch, at.step)[e.plan.rank]) // m) if m else 1
 
     # -- what a user reads -----------------------------------------------------------------------------------
     def sizes_at(self, epoch: int, step: int) -> np.ndarray:

@@ -187,8 +187,8 @@ class Engine:
                   f"step with bal.begin_step(), which returns the sizes)")
         sizes = sched.sizes_at(epoch, index)
         b, m = int(sizes[rank]), s.micro_batch
-        if m and s.by_tokens:  # by tokens a rank's rows are no multiple of m: its last micro-batch holds the rest
-            b, m = -(-b // m) * m, m
+        if m and s.by_tokens:  # by tokens a rank's rows are cut by count and max_tokens (schedule.micro_at)
+            b = len(sched.micro_at(epoch, index)[rank]) * m
         if m and (b % m or not b):
             _stop(f"hetero: step {index} gives rank {rank} {b} samples, not whole micro-batches of {m} (a replay "
                   f"recorded with another micro_batch?)")
@@ -250,8 +250,8 @@ class Engine:
             self.begin(from_loader=True)
         s = self._step
         want = m or int(s.sizes[s.rank])
-        if m and self.plan.settings.by_tokens:  # the rank's rows in micro-batches of m, the last holding the rest
-            want = min(m, int(s.sizes[s.rank]) - m * (s.expected - s.left))
+        if m and self.plan.settings.by_tokens:  # the rank's rows in micro-batches of at most m (and max_tokens)
+            want = len(self.plan.schedule.micro_at(s.epoch, s.index)[s.rank][s.expected - s.left])
         if batch_size is not None and batch_size != want:
             _stop(f"hetero: step {s.index} got {batch_size} samples, the schedule says {want}: is the loader this "
                   f"Balance's sampler?")

@@ -70,8 +70,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         if not m:
             return spe
         others = 0 if p.settings.sit_out else p.world - 1  # each other rank runs at least one micro-batch
-        if p.settings.by_tokens:  # ... of at least min_batch rows; this rank's last may be short
-            return spe * -(-max(1, p.settings.global_batch - others * p.settings.min_batch) // m)
+        if p.settings.by_tokens:  # ... of at least min_batch rows; cut by max_tokens, as many as its rows
+            rows = max(1, p.settings.global_batch - others * p.settings.min_batch)
+            return spe * (rows if p.settings.max_tokens is not None else -(-rows // m))
         return spe * max(1, p.settings.global_batch // m - others)
 
     def set_epoch(self, epoch: int) -> None:  # Lightning calls this before each epoch
@@ -99,6 +100,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         epoch, plan = at.epoch, EpochPlan(self.n_samples, p.settings.global_batch, self.seed, at.epoch)
         m = p.settings.micro_batch
         for step in range(first, plan.steps):
+            if sched.cost is not None and m:  # by tokens: cut by count and max_tokens
+                yield from (b.tolist() for b in sched.micro_at(epoch, step)[p.rank])
+                continue
             idx = sched.rows_at(epoch, step)[p.rank].tolist() if sched.cost is not None else \
                 plan.index_list(step, sched.sizes_at(epoch, step).tolist(), p.rank)
             yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])

@@ -63,15 +63,9 @@ class SizeSchedule:
         # what the split predicts: in micro-batches a rank's rows cost about the sum of their lengths (exactly, for
         # micro-batches of one row; sorted longest first, micro-batches of m pad little)
         self.split_layout = "packed" if settings.micro_batch else settings.collator
-        # max_tokens: the longest row each rank takes, so that a micro-batch of m rows holds at most its tokens
-        # (padded: m x the longest row; packed: the sum of m lengths, at most that); inf: no cap
-        self.row_caps = None
-        if settings.max_tokens is not None:
-            tokens, m = settings.per_rank_tokens(world), settings.micro_batch
-            if (short := [r for r, t in enumerate(tokens) if t < m]):
-                raise ValueError(f"hetero: rank {short[0]}'s max_tokens {tokens[short[0]]:g} holds no micro-batch of "
-                                 f"{m} rows (a row is at least one token): lower micro_batch or raise max_tokens")
-            self.row_caps = np.array([t if t == float("inf") else t // m for t in tokens], dtype=float)
+        # max_tokens: the most tokens one micro-batch of each rank holds (inf: no cap); a row alone must fit, and a
+        # rank's rows are cut into micro-batches of at most micro_batch rows and max_tokens tokens (micro_at)
+        self.row_caps = None if settings.max_tokens is None else np.array(settings.per_rank_tokens(world), dtype=float)
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
 
     # -- the limits -------------------------------------------------------------------------------------------
@@ -101,6 +95,7 @@ class SizeSchedule:
         self.regimes: list[tuple[int, Balancer | CostModel]] = [(FAR, copy.deepcopy(self._live))]
         self.planned: dict[int, np.ndarray] = {}  # position -> every rank's sizes, fixed when handed out
         self.rows: dict[int, list[np.ndarray]] = {}  # by tokens: position -> every rank's sample indices
+        self.micro: dict[int, list[list[np.ndarray]]] = {}  # ... and with micro_batch, each rank's micro-batches
         self.handed = FAR       # the next position this rank's sampler hands out
         self.iterated: int | None = None  # the epoch a sampler last iterated
         self.last = balancer.sizes  # every rank's sizes at the latest step begun
@@ -121,6 +116,8 @@ class SizeSchedule:
                 if self.cost is not None:
                     self.rows[pos] = self._split(regime, epoch, step)
                     self.planned[pos] = np.array([len(r) for r in self.rows[pos]], np.int64)
+                    if self.settings.micro_batch:
+                        self.micro[pos] = [self._cut(r, rank) for rank, r in enumerate(self.rows[pos])]
                 else:
                     self.planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
             self.handed = max(self.handed, pos + 1)
@@ -142,6 +139,30 @@ class SizeSchedule:
         # micro-batches of m: each rank's rows longest first (ties by position), so a padded micro-batch pads least
         return [window[p][np.lexsort((window[p], -self.lengths[window[p]]))] for p in parts]
 
+    def _cut(self, rows: np.ndarray, rank: int) -> list[np.ndarray]:
+        """One rank's rows (longest first) in micro-batches of at most micro_batch rows and, with max_tokens, at most
+        its tokens (padded: rows x the longest, the first; packed: the sum); each closes where the next row would
+        overflow it."""
+        m = self.settings.micro_batch
+        cap = float("inf") if self.row_caps is None else self.row_caps[rank]
+        padded, out, start, held = self.cost.collator == "padded", [], 0, 0.0
+        for i, length in enumerate(self.lengths[rows].tolist()):
+            n = i - start
+            over = (n + 1) * self.lengths[rows[start]] > cap if padded else held + length > cap
+            if n and (n == m or over):
+                out.append(rows[start:i])
+                start, held = i, 0.0
+            held += length
+        if len(rows):
+            out.append(rows[start:])
+        return out
+
+    def micro_at(self, epoch: int, step: int) -> list[list[np.ndarray]]:
+        """By tokens with micro_batch: every rank's micro-batches at (epoch, step) (sample indices), fixed from now
+        on."""
+        self.sizes_at(epoch, step)
+        return self.micro[self.index(epoch, step)]
+
     def _check_caps(self, epoch: int) -> None:
         """max_tokens, before an epoch's first split: every step's window can give each rank min_batch rows it
         holds (else one line on every rank alike, naming the step: the windows are the same everywhere)."""
@@ -156,9 +177,8 @@ class SizeSchedule:
                 if np.searchsorted(L, self.row_caps[r], side="right") < j * k:
                     raise HeteroError(
                         f"hetero: step {step} of epoch {epoch} cannot give rank {r} {k} row(s) of at most "
-                        f"{self.row_caps[r]:g} tokens (its max_tokens over micro_batch) beside the ranks holding "
-                        f"less: its {B} samples are {int(L[0])}-{int(L[-1])} tokens long; raise rank {r}'s max_tokens "
-                        f"or the global batch")
+                        f"{self.row_caps[r]:g} tokens (its max_tokens) beside the ranks holding less: its {B} samples "
+                        f"are {int(L[0])}-{int(L[-1])} tokens long; raise rank {r}'s max_tokens or the global batch")
 
     def rows_at(self, epoch: int, step: int) -> list[np.ndarray]:
         """By tokens: every rank's sample indices at (epoch, step), fixed from now on (as sizes_at)."""
@@ -171,9 +191,9 @@ class SizeSchedule:
     def work_at(self, epoch: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         """By tokens: every rank's cost units at (epoch, step) as their two terms [world, 2] (Cost.parts, summed over
         its micro-batches) and the tokens its loss counts."""
-        rows, m = self.rows_at(epoch, step), self.settings.micro_batch or self.settings.global_batch
-        return (np.array([np.sum([self.cost.parts(self.lengths[r[i:i + m]]) for i in range(0, len(r), m)], axis=0)
-                          for r in rows]),
+        rows = self.rows_at(epoch, step)
+        micro = self.micro_at(epoch, step) if self.settings.micro_batch else [[r] for r in rows]
+        return (np.array([np.sum([self.cost.parts(self.lengths[b]) for b in batches], axis=0) for batches in micro]),
                 np.array([int(self.counted[r].sum()) for r in rows], np.int64))
 
     def digest(self) -> int | None:
@@ -195,11 +215,10 @@ class SizeSchedule:
             self.lengths, self.counted, self.seed = tokens
             self._perm = None
             if self.row_caps is not None and (long := np.flatnonzero(self.lengths > self.row_caps.max())).size:
-                i, m = int(long[0]), self.settings.micro_batch
-                raise ValueError(f"hetero: sample {i} is {int(self.lengths[i])} tokens long, more than any rank holds "
-                                 f"in a micro-batch of {m} row(s) (the largest max_tokens, "
-                                 f"{self.row_caps.max() * m:g}, over micro_batch): raise max_tokens or lower "
-                                 f"micro_batch ({long.size} sample(s) too long)")
+                i = int(long[0])
+                raise ValueError(f"hetero: sample {i} is {int(self.lengths[i])} tokens long, more than any rank's "
+                                 f"max_tokens (the largest is {self.row_caps.max():g}): raise max_tokens "
+                                 f"({long.size} sample(s) too long)")
 
     def start_iteration(self, epoch: int, first: int) -> int:
         """A sampler starts handing out `epoch` at step `first` (> 0 in an epoch resumed mid-way): refuse a second
@@ -220,6 +239,7 @@ class SizeSchedule:
         """The step at pos ended: the sizes fixed up to it are no longer needed."""
         self.planned = {p: v for p, v in self.planned.items() if p > pos}
         self.rows = {p: v for p, v in self.rows.items() if p > pos}
+        self.micro = {p: v for p, v in self.micro.items() if p > pos}
 
     # -- regimes (a decision's sizes from where it takes effect) ----------------------------------------------
     def adopt(self, pos: int, furthest: int) -> int:

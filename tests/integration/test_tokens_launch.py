@@ -17,14 +17,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
 from hetero.core.sampler import EpochPlan
+from hetero.core.tokens import Cost
 
 import tokenlm
 from helpers import spawned
 
 N, B, LR = 72, 24, 0.5  # 3 steps an epoch
 MICRO = {"micro2-padded-tokens": 2, "micro1-packed-samples": 1, "micro3-padded-samples": 3,
-         "capped-micro1-padded-tokens": 1}  # micro_batch m
-CAP = 200  # max_tokens of the last rank in the capped case (the others none): no row of it longer
+         "capped-micro1-padded-tokens": 1, "capped-micro3-packed-samples": 3}  # micro_batch m
+# max_tokens of the last rank in the capped cases (the others none): no micro-batch of it holds more (one row of at
+# most 200 tokens; up to 3 rows packed within 600, cut where the next row would overflow)
+CAPS = {"capped-micro1-padded-tokens": 200, "capped-micro3-packed-samples": 600}
 
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
     #               the loop sets equal weights)
@@ -38,8 +41,9 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "micro2-padded-tokens": ("padded", "tokens", "tokens", True, False),
     "micro1-packed-samples": ("packed", "samples", "samples", True, False),
     "micro3-padded-samples": ("padded", "samples", "samples", True, False),
-    # per-rank memory: the last rank holds one row of at most CAP tokens a forward (max_tokens), the others any
+    # per-rank memory: the last rank's micro-batches hold at most its max_tokens (CAPS), the others any
     "capped-micro1-padded-tokens": ("padded", "tokens", "tokens", True, False),
+    "capped-micro3-packed-samples": ("packed", "samples", "samples", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, True),
@@ -57,19 +61,20 @@ def _worker(rank: int, out: str, world: int) -> None:
         net = tokenlm.PrefixLM(documents=documents)
         ddp = fully_shard(net) if name.startswith("fsdp2") else DDP(net)
         m = MICRO.get(name, 0)
-        caps = [None] * (world - 1) + [CAP] if name.startswith("capped") else None
+        caps = [None] * (world - 1) + [CAPS[name]] if name in CAPS else None
         bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1, micro_batch=m,
                              max_tokens=caps)
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted if mean == "tokens" else None)
         bal.set_epoch(0)
-        rows, params = [], []
+        rows, params, batches = [], [], []
         for idx in sampler:
             step = bal.position.step
             if len(rows) == step:
                 rows.append([])
             rows[step] += idx
+            batches.append(idx)
             scale = 1.0
             if m:  # this micro-batch's mean, as its sum over this rank's count for the step
                 mine = sampler.rows_at(0, step)
@@ -85,7 +90,7 @@ def _worker(rank: int, out: str, world: int) -> None:
             if bal.position.step > step:  # the step ended
                 full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in ddp.parameters()]  # collective
                 params.append(torch.cat([p.detach().flatten() for p in full]).tolist())
-        result[name] = {"rows": rows, "params": params}
+        result[name] = {"rows": rows, "params": params, "batches": batches}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -125,10 +130,14 @@ def test_a_split_by_tokens_equals_one_process_on_the_unpacked_union(launched, na
     for r in ranks:  # after 1 and after 3 steps, on every rank
         assert _miss(r[name]["params"][0], want[0]) < 1e-9
         assert _miss(r[name]["params"][2], want[2]) < 1e-9
-    if name.startswith("capped"):  # the last rank's rows all fit its max_tokens; some step had longer ones
-        lengths = tokenlm.corpus(N)[0]
-        assert max(lengths[i] for s in ranks[-1][name]["rows"] for i in s) <= CAP
-        assert max(lengths[i] for s in steps for i in s) > CAP
+    if name in CAPS:  # each micro-batch of the last rank within its max_tokens; some step had longer rows
+        lengths, cost = tokenlm.corpus(N)[0], Cost(CASES[name][0])
+        assert all(cost.work(lengths[b]) <= CAPS[name] and len(b) <= MICRO[name] for b in ranks[-1][name]["batches"])
+        m, cap = MICRO[name], CAPS[name]  # the cap bound: a longer row went to another rank (one row a micro-batch);
+        # cut by count alone, some micro-batch of the last rank would exceed it (several)
+        by_count = [sorted(r, key=lambda i: (-lengths[i], i)) for r in ranks[-1][name]["rows"]]
+        assert (max(lengths[i] for s in steps for i in s) > cap if m == 1 else
+                any(cost.work(lengths[r[i:i + m]]) > cap for r in by_count for i in range(0, len(r), m)))
     perm = EpochPlan(N, B, 0, 0).perm.tolist()  # not the split by counts: rank 0's rows are not the window's head
     assert any(sorted(r0) != sorted(perm[s * B:s * B + len(r0)]) for s, r0 in enumerate(ranks[0][name]["rows"]))
 

@@ -473,52 +473,63 @@ def test_a_collator_said_at_the_sampler_splits_by_tokens_and_is_refused_where_it
 
 
 # -- max_tokens: each rank's cap on a micro-batch's tokens ----------------------------------------------------------
-def _capped(rank: int, world: int, lengths, max_tokens, m: int = 2, B: int = 12, min_batch: int = 1):
+def _capped(rank: int, world: int, lengths, max_tokens, m: int = 2, B: int = 12, min_batch: int = 1,
+            collator: str = "padded"):
     import hetero
 
-    bal = hetero.Balance(global_batch=B, collator="padded", micro_batch=m, max_tokens=max_tokens, min_batch=min_batch)
+    bal = hetero.Balance(global_batch=B, collator=collator, micro_batch=m, max_tokens=max_tokens, min_batch=min_batch)
     bal.set_world(rank, world)
     bal.sampler = bal.batch_sampler(len(lengths), lengths=lengths)
     return bal
 
 
-def test_max_tokens_keeps_every_micro_batch_of_a_rank_under_its_cap_and_long_samples_on_the_rank_that_holds_them():
-    """Rank 1 holds 2 x 100 tokens a micro-batch, rank 0 2 x 512: every row of rank 1 is at most 100 tokens, every
-    micro-batch of either rank at most its max_tokens (padded: rows x the longest), every sample of the epoch once;
-    without the cap rank 1 gets longer rows (the control)."""
+@pytest.mark.parametrize("collator", ["padded", "packed"])
+def test_max_tokens_cuts_each_ranks_micro_batches_within_its_cap_and_long_samples_go_to_the_rank_that_holds_them(
+        collator):
+    """Rank 1 holds 200 tokens a micro-batch, rank 0 1024; micro-batches of at most 3 rows: every micro-batch of
+    either rank within its cap (padded: rows x the longest; packed: the sum) and 3 rows, the rank's rows each once,
+    more micro-batches than by count where the cap binds, every sample of the epoch once; what the sampler hands out
+    is that cut, and bal.micro_batches counts it. Without the caps rank 1 gets longer rows (the control)."""
     lengths = np.random.default_rng(5).integers(1, 513, 96)
     lengths[::3] = np.random.default_rng(6).integers(1, 60, 32)  # a third short, so every step can feed rank 1
-    for caps, capped in (([1024, 200], True), (None, False)):
-        seen, longest = [], []
+    cost = Cost(collator)
+    for caps in ([1024, 200], None):
+        seen, longest, cut_more = [], [], False
         for rank in range(2):
-            bal = _capped(rank, 2, lengths, caps)
+            bal = _capped(rank, 2, lengths, caps, m=3, collator=collator)
             bal.set_epoch(0)
-            # what the sampler hands out: each step's rows in micro-batches of 2 (the steps run in the launch,
-            # tests/integration/test_tokens_launch.py)
-            rows = [bal.sampler.rows_at(0, s) for s in range(8)]
-            mine = [r[i:i + 2] for r in rows for i in range(0, len(r), 2)]
+            sched = bal.engine.plan.schedule
+            assert bal.micro_batches == len(sched.micro_at(0, 0)[rank])
+            handed = list(bal.sampler)
+            micro = [b.tolist() for s in range(8) for b in sched.micro_at(0, s)[rank]]
+            assert handed == micro
+            for s in range(8):
+                batches, rows = sched.micro_at(0, s)[rank], sched.rows_at(0, s)[rank]
+                assert sorted(i for b in batches for i in b) == sorted(rows)
+                cut_more |= len(batches) > -(-len(rows) // 3)
+            assert all(len(b) <= 3 for b in micro)
             if caps is not None:
-                assert all(len(b) * lengths[b].max() <= caps[rank] for b in mine), rank
-            seen += [i for b in mine for i in b]
-            longest.append(max(lengths[b].max() for b in mine))
+                assert all(cost.work(lengths[b]) <= caps[rank] for b in micro), rank
+            seen += [i for b in micro for i in b]
+            longest.append(max(lengths[b].max() for b in micro))
         assert sorted(seen) == list(range(96))
-        assert (longest[1] <= 100) == capped, longest
+        assert (longest[1] <= 200) == (caps is not None), longest
+        assert cut_more == (caps is not None)
 
 
 def test_a_sample_longer_than_every_ranks_cap_is_refused_at_the_sampler_naming_it():
     lengths = np.full(24, 50)
     lengths[17] = 300
     with pytest.raises(ValueError) as e:
-        _capped(0, 2, lengths, [512, 256])  # 256 and 128 a row in micro-batches of 2
-    assert str(e.value) == ("hetero: sample 17 is 300 tokens long, more than any rank holds in a micro-batch of 2 "
-                            "row(s) (the largest max_tokens, 512, over micro_batch): raise max_tokens or lower "
-                            "micro_batch (1 sample(s) too long)")
-    _capped(0, 2, lengths, [600, 256])  # 300 a row on rank 0: taken
+        _capped(0, 2, lengths, [256, 128])
+    assert str(e.value) == ("hetero: sample 17 is 300 tokens long, more than any rank's max_tokens (the largest is "
+                            "256): raise max_tokens (1 sample(s) too long)")
+    _capped(0, 2, lengths, [300, 128])  # 300 on rank 0, a micro-batch of its own: taken
 
 
 def test_an_epoch_with_a_step_that_cannot_feed_a_capped_rank_is_refused_before_its_first_step():
-    """Rank 1 holds rows of at most 40 tokens; a step whose 12 samples are all longer is found when the epoch's
-    first step is cut, on every rank alike, naming the step (the same windows everywhere)."""
+    """Rank 1 holds micro-batches of at most 80 tokens; a step whose 12 samples are all longer is found when the
+    epoch's first step is cut, on every rank alike, naming the step (the same windows everywhere)."""
     from hetero.core.agree import HeteroError
     from hetero.core.sampler import EpochPlan
 
@@ -532,21 +543,19 @@ def test_an_epoch_with_a_step_that_cannot_feed_a_capped_rank_is_refused_before_i
         with pytest.raises(HeteroError) as e:
             next(iter(bal.sampler))
         lines.add(str(e.value))
-    assert lines == {"hetero: step 2 of epoch 0 cannot give rank 1 1 row(s) of at most 40 tokens (its max_tokens over "
-                     "micro_batch) beside the ranks holding less: its 12 samples are 100-100 tokens long; raise rank "
-                     "1's max_tokens or the global batch"}
+    assert lines == {"hetero: step 2 of epoch 0 cannot give rank 1 1 row(s) of at most 80 tokens (its max_tokens) "
+                     "beside the ranks holding less: its 12 samples are 100-100 tokens long; raise rank 1's "
+                     "max_tokens or the global batch"}
     lengths[window[0]] = 30  # one short sample in the step: fed
     bal = _capped(0, 2, lengths, [1024, 80])
     bal.set_epoch(0)
     assert next(iter(bal.sampler))
 
 
-def test_max_tokens_per_rank_entries_must_match_the_world_and_hold_a_micro_batch():
+def test_max_tokens_per_rank_entries_must_match_the_world():
     lengths = np.full(24, 5)
     with pytest.raises(ValueError, match="^hetero: max_tokens has 3 entries for 2 ranks$"):
         _capped(0, 2, lengths, [64, 64, 64])
-    with pytest.raises(ValueError, match="^hetero: rank 1's max_tokens 1 holds no micro-batch of 2 rows"):
-        _capped(0, 2, lengths, [64, 1])
     _capped(0, 2, lengths, [64, None])  # None: no cap on that rank
 
 

@@ -55,6 +55,9 @@ SLOW = {
     "tests/integration/test_notebooks_launch.py::test_notebook_outputs_have_no_object_reprs":
         _SHARED + " (the notebooks through papermill)",
     "tests/integration/test_train_e2e.py::test_output_to_a_file_is_one_line_per_epoch": _SHARED + " (e2e runs)",
+    "tests/integration/test_real_data.py::test_edp_and_sync_on_real_cifar10":
+        "two 4-epoch trainer runs on 10,000 real CIFAR-10 images, rank 1 twice slower: learning is under test "
+        "(top-1 above 0.35 and EDP within 0.05 of Sync on the 10,000 test images)",
 }
 
 

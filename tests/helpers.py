@@ -77,27 +77,28 @@ def _server() -> None:
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def _forked(rank: int, env: dict, worker, *args) -> None:
-    """A rank forked from the server: the environment the test process had at the launch (the server's is from its
-    own start), then the worker."""
+def _forked(rank: int, env: dict, cwd: str, worker, *args) -> None:
+    """A rank forked from the server: the environment and working folder the test process had at the launch (the
+    server's are from its own start), then the worker."""
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     worker(rank, *args)
 
 
 def spawned(worker, out: Path, nprocs: int = 2, args: tuple = ()) -> list[dict]:
     """Run `worker(rank, str(out), *args)` in `nprocs` gloo ranks (torch.multiprocessing, a free port), each
     writing OUT/rank{r}.json; the ranks' results, in rank order (one launch, many checks). The ranks start from the
-    fork server (_server) and see this process's environment with MASTER_ADDR/MASTER_PORT set, which this process's
-    own environment does not keep (a later test in the same process, or another pytest-xdist file, must not inherit
-    them)."""
+    fork server (_server) in this process's working folder and see its environment with MASTER_ADDR/MASTER_PORT set,
+    which this process's own environment does not keep (a later test in the same process, or another pytest-xdist
+    file, must not inherit them)."""
     import torch.multiprocessing as mp
 
     from hetero.lab.launch import free_port
 
     _server()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    mp.start_processes(_forked, args=(env, worker, str(out), *args), nprocs=nprocs, join=True,
+    mp.start_processes(_forked, args=(env, os.getcwd(), worker, str(out), *args), nprocs=nprocs, join=True,
                        start_method="forkserver")
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nprocs)]
 

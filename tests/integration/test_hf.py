@@ -156,8 +156,9 @@ def test_a_trainer_step_is_the_global_batch_step_and_a_wrong_weight_is_caught(tr
     ({"per_device_train_batch_size": 3}, "hetero: per_device_train_batch_size x gradient_accumulation_steps x world "
                                          "(3 x 1 x 2) must equal the Balance's global_batch 8: the plain Trainer's "
                                          "batch, which it logs and schedules with; hetero decides each rank's share"),
-    ({"train_sampling_strategy": "group_by_length"}, "hetero: train_sampling_strategy='group_by_length' is not "
-                                                     "supported: hetero's sampler decides every rank's samples"),
+    ({"train_sampling_strategy": "group_by_length"}, "hetero: train_sampling_strategy='group_by_length' asks for "
+                                                     "batches by length, and hetero splits this run by counts (the "
+                                                     "items have no 'input_ids' to measure): leave it 'random'"),
     ({"world": 1}, "hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); one process has "
                    "nothing to balance: use transformers.Trainer"),
 ])

@@ -193,3 +193,28 @@ def test_the_default_splits_by_counts_where_the_lengths_do_not_vary_or_a_replay_
     trainer = HeteroTrainer(model=_model(), args=_args(str(tmp_path), B), train_dataset=Docs(), data_collator=padded,
                             balance=bal)
     assert token_lengths(trainer, Docs())["collator"] == "padded"
+
+
+@pytest.mark.parametrize("strategy", ["group_by_length", "batch_rebalance"])
+def test_the_trainers_samplers_by_length_are_taken_where_hetero_splits_by_tokens_and_refused_where_by_counts(
+        tmp_path, strategy):
+    """transformers' group_by_length and batch_rebalance ask for batches by length: where the lengths vary, hetero's
+    split by tokens does their job (the loader splits by tokens, with the collator's layout); where they do not, one
+    line says to leave the strategy 'random' (hetero would split by counts, and group nothing)."""
+    class Blocks(Docs):  # every sample 12 tokens
+        def __init__(self):
+            self.items = [{"input_ids": [1] * 12, "labels": [1] * 12} for _ in range(N)]
+    for ds, by_tokens in ((Docs(), True), (Blocks(), False)):
+        bal = hetero.Balance(global_batch=B)
+        bal.set_world(0, 1)
+        trainer = HeteroTrainer(model=_model(), args=_args(str(tmp_path), B, train_sampling_strategy=strategy),
+                                train_dataset=ds, data_collator=padded, balance=bal)
+        if by_tokens:
+            trainer.get_train_dataloader()
+            assert bal.settings.collator == "padded"
+        else:
+            with pytest.raises(ValueError) as e:
+                trainer.get_train_dataloader()
+            assert str(e.value) == (f"hetero: train_sampling_strategy={strategy!r} asks for batches by length, and "
+                                    f"hetero splits this run by counts (the samples' lengths do not vary): leave it "
+                                    f"'random'")

@@ -112,7 +112,7 @@ class HeteroTrainer(Trainer):
                              f"x {bal.world}) must equal the Balance's global_batch {bal.settings.global_batch}: the "
                              f"plain Trainer's batch, which it logs and schedules with; hetero decides each "
                              f"rank's share")
-        if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential"):
+        if getattr(a, "train_sampling_strategy", "random") not in ("random", "sequential", *BY_LENGTH):
             raise ValueError(f"hetero: train_sampling_strategy={a.train_sampling_strategy!r} is not supported: "
                              f"hetero's sampler decides every rank's samples")
         if a.auto_find_batch_size:
@@ -149,7 +149,11 @@ class HeteroTrainer(Trainer):
             collate = self._get_collator_with_removed_columns(collate, description="Training")
         workers = a.dataloader_num_workers
         # not accelerator.prepare(...): its BatchSamplerShard would give this rank every world-th of its own batches
-        sampler = self.balance.batch_sampler(len(ds), **token_lengths(self, ds))
+        split = token_lengths(self, ds)
+        if (strategy := getattr(a, "train_sampling_strategy", "random")) in BY_LENGTH and not split:
+            raise ValueError(f"hetero: train_sampling_strategy={strategy!r} asks for batches by length, and hetero "
+                             f"splits this run by counts ({_by_counts(self.balance, ds, self)}): leave it 'random'")
+        sampler = self.balance.batch_sampler(len(ds), **split)
         if self.balance.settings.micro_batch:  # G entries per step for the Trainer's loop (hf_accumulate)
             spe = self.balance.position.steps_per_epoch
             sampler = hf_accumulate.StepLength(sampler, spe, a.gradient_accumulation_steps)
@@ -309,6 +313,19 @@ class _BalanceSteps(TrainerCallback):
             folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
             # written beside the Trainer's files, never through a link
             safeio.atomic_write(Path(folder) / hf_resume.STATE_NAME, lambda f: torch.save(saved, f))
+
+
+# the Trainer's samplers by length: hetero's split by tokens does their job (each step's rows by cost; padded, runs
+# of similar lengths per rank), so they are taken where it splits by tokens and refused where it splits by counts
+BY_LENGTH = ("group_by_length", "batch_rebalance")
+
+
+def _by_counts(bal, ds, trainer: Trainer) -> str:
+    """Why a run the Trainer would group by length splits by counts: what to change, in a few words."""
+    if (why := tokens_refusal(bal, "padded")) is not None:
+        return why.removeprefix("hetero: ")
+    return "the samples' lengths do not vary" if measured(trainer, ds) is not None else \
+        f"the items have no '{_input_name(trainer)}' to measure"
 
 
 def token_lengths(trainer: Trainer, ds) -> dict:

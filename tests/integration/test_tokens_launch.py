@@ -24,10 +24,12 @@ from helpers import spawned
 
 N, B, LR = 72, 24, 0.5  # 3 steps an epoch
 MICRO = {"micro2-padded-tokens": 2, "micro1-packed-samples": 1, "micro3-padded-samples": 3,
-         "capped-micro1-padded-tokens": 1, "capped-micro3-packed-samples": 3}  # micro_batch m
+         "capped-micro1-padded-tokens": 1, "capped-micro3-packed-samples": 3,
+         "fsdp2-capped-micro2-packed-tokens": 2}  # micro_batch m
 # max_tokens of the last rank in the capped cases (the others none): no micro-batch of it holds more (one row of at
 # most 200 tokens; up to 3 rows packed within 600, cut where the next row would overflow)
-CAPS = {"capped-micro1-padded-tokens": 200, "capped-micro3-packed-samples": 600}
+CAPS = {"capped-micro1-padded-tokens": 200, "capped-micro3-packed-samples": 600,
+        "fsdp2-capped-micro2-packed-tokens": 500}
 
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
     #               the loop sets equal weights)
@@ -44,6 +46,7 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     # per-rank memory: the last rank's micro-batches hold at most its max_tokens (CAPS), the others any
     "capped-micro1-padded-tokens": ("padded", "tokens", "tokens", True, False),
     "capped-micro3-packed-samples": ("packed", "samples", "samples", True, False),
+    "fsdp2-capped-micro2-packed-tokens": ("packed", "tokens", "tokens", True, False),  # FSDP2's micro-batch schedule
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, True),

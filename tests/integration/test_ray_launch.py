@@ -37,8 +37,9 @@ SLOW = "1:slowdown=3,1:delay=0.05"
 
 def _env() -> dict[str, str]:
     env = clean_env(threads="1")
-    # tests/raystub first: keeps a slow optional import out of Ray's own processes (see its docstring)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "raystub"), str(ROOT)])
+    # tests/raystub first: keeps a slow optional import out of Ray's own processes (see its docstring); tests/ last:
+    # tests/scripts/ray_tokens.py's workers import tokenlm
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "raystub"), str(ROOT), str(ROOT / "tests")])
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     env["RAY_AUTH_MODE"] = "disabled"  # a local cluster: no token written to the home folder
     return env
@@ -65,22 +66,23 @@ def _no_ray_left(since: float, grace_s: float = 60.0) -> None:
     assert not left, f"Ray processes left after the run: {left}"
 
 
-def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
+def _start(tmp_path: Path, *args: str, script: Path | None = None) -> subprocess.Popen:
     cmd = [sys.executable, str(ROOT / "examples" / "ray_train.py"), "--samples", str(SAMPLES), "--global-batch",
-           str(B), "--storage", str(tmp_path / "storage"), "--record", str(tmp_path / "rec"), *args]
+           str(B), "--storage", str(tmp_path / "storage"), "--record", str(tmp_path / "rec"), *args] if script is None \
+        else [sys.executable, str(script), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 STARTUP = "The current node timed out during startup"  # ray.init: the raylet gave up on its agent (15 s, hard-coded)
 
 
-def _run(tmp_path: Path, *args: str, watch=None, timeout: float = 1200) -> str:
+def _run(tmp_path: Path, *args: str, watch=None, timeout: float = 1200, script: Path | None = None) -> str:
     """Run the example to the end (rc 0); `watch(p)` is polled while it runs until it returns True. A cluster that
     did not start (Ray's agent slower than the raylet's 15 s limit on a loaded machine, ray-project/ray#65983) is
     started again, up to 3 times: no training has run then; the attempt's orphaned agents are stopped by pid."""
     for attempt in range(3):
         since = time.time()
-        p = _start(tmp_path, *args)
+        p = _start(tmp_path, *args, script=script)
         deadline = time.monotonic() + timeout
         while watch is not None and p.poll() is None and time.monotonic() < deadline and not watch(p):
             time.sleep(0.02)
@@ -91,7 +93,7 @@ def _run(tmp_path: Path, *args: str, watch=None, timeout: float = 1200) -> str:
                 with contextlib.suppress(psutil.Error):
                     psutil.Process(int(line.split()[0])).kill()
             continue
-        assert p.returncode == 0, f"ray_train.py exited {p.returncode}\n{out[-8000:]}"
+        assert p.returncode == 0, f"{(script or 'ray_train.py')} exited {p.returncode}\n{out[-8000:]}"
         return out
     raise AssertionError("unreachable")
 
@@ -225,3 +227,33 @@ def test_a_run_resized_through_restarts_keeps_the_global_batch_and_coverage(tmp_
     assert end0[0] > end0[1] and rows2[0]["sizes"] == [B // 2, B // 2] and rows2[-1]["sizes"][0] > rows2[-1][
         "sizes"][1], (end0, rows2[0]["sizes"], rows2[-1]["sizes"])
     assert [json.loads((tmp_path / f"rec.rank{r}.json").read_text())["restarts"] for r in range(2)] == [2, 2]
+
+
+def test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_union(tmp_path):
+    """tests/scripts/ray_tokens.py (issue 49): two Ray Train workers split each step's documents by their tokens'
+    fitted cost, padded and packed, with a token-mean loss; every step's rows are its window, every document of the
+    epoch is seen once, and the parameters after each step equal one process on the unpacked union."""
+    import numpy as np
+
+    from hetero.core.sampler import EpochPlan
+
+    import tokenlm
+
+    since = time.time()
+    _run(tmp_path, str(tmp_path), script=ROOT / "tests" / "scripts" / "ray_tokens.py")
+    _no_ray_left(since)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    n, b = 72, 24
+    perm = EpochPlan(n, b, 0, 0).perm.tolist()
+    _, tokens, labels = tokenlm.corpus(n)
+    for collator in ("padded", "packed"):
+        steps = []
+        for s, (r0, r1) in enumerate(zip(ranks[0][collator]["rows"], ranks[1][collator]["rows"])):
+            assert sorted(r0 + r1) == sorted(perm[s * b:(s + 1) * b]) and r0 and r1, f"{collator}: step {s}"
+            steps.append(sorted(r0 + r1))
+        assert sorted(i for s in steps for i in s) == list(range(n))
+        want = tokenlm.reference(steps, tokens, labels, "tokens", 0.5)
+        for r in ranks:
+            assert len(r[collator]["params"]) == 3
+            assert max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
+                       for g, w in zip(r[collator]["params"], want)) < 1e-9

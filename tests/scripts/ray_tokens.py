@@ -1,0 +1,74 @@
+"""Ray Train split by tokens (issue 49): two CPU workers of a local Ray cluster (TorchTrainer, gloo) run an epoch of
+documents of 1-512 tokens with Balance(collator=..., loss_mean="tokens"), padded then packed, worker 1 delayed 20 ms
+a step so the fitted costs move the split. Each worker writes its rows and the parameters after each step
+(OUT/rank{r}.json); tests/integration/test_ray_launch.py compares them with one process on the unpacked union.
+
+    PYTHONPATH=tests/raystub:.:tests python tests/scripts/ray_tokens.py OUT_DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import ray
+from ray.train import RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+N, B, LR = 72, 24, 0.5  # 3 steps an epoch
+COLLATORS = ("padded", "packed")
+
+
+def train_fn(cfg: dict) -> None:
+    """Run by each Ray Train worker: the own-loop recipe of docs/tokens.md."""
+    import ray.train
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import hetero
+
+    import tokenlm
+
+    torch.set_num_threads(1)
+    rank = ray.train.get_context().get_world_rank()
+    lengths, tokens, labels = tokenlm.corpus(N)
+    counted = [int((y != tokenlm.IGNORE).sum()) for y in labels]
+    out = {}
+    for collator in COLLATORS:
+        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean="tokens", rebalance_every=1)
+        bal.emulate("1:delay=0.02")
+        ddp = DDP(tokenlm.PrefixLM())
+        bal.attach(ddp)
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted)
+        bal.set_epoch(0)
+        rows, params = [], []
+        for idx in sampler:
+            rows.append(idx)
+            with bal.step(len(idx)):
+                tokenlm.loss(ddp, tokenlm.collate(idx, tokens, labels, collator), "tokens", len(idx)).backward()
+                opt.step()
+                opt.zero_grad()
+            params.append(torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())
+        out[collator] = {"rows": rows, "params": params}
+    with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def main(out: str) -> int:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        result = TorchTrainer(train_fn, train_loop_config={"out": os.path.abspath(out)},
+                              scaling_config=ScalingConfig(num_workers=2),
+                              run_config=RunConfig(name="tokens", storage_path=os.path.abspath(f"{out}/storage"))).fit()
+    finally:
+        ray.shutdown()
+    if result.error is not None:
+        print(f"hetero: error: the Ray run failed: {result.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

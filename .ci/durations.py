@@ -33,6 +33,8 @@ SLOW = {
         _RAY,
     "tests/integration/test_ray_launch.py::test_example_covers_every_sample_moves_shares_and_equals_one_process_sgd":
         _RAY,
+    "tests/integration/test_ray_launch.py::test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_union":
+        _RAY,
     "tests/integration/test_bench_launch.py::test_bench_quickest": _BENCH,
     "tests/integration/test_bench_launch.py::test_gpu_check_smoke": _BENCH,
     "tests/integration/test_bench_launch.py::test_bench_outside_quick_rows_teardown_and_figures":

@@ -2,7 +2,8 @@
 emulated 3x slower: every sample of each epoch consumed once, the shares moved to the fast worker, every recorded step
 equal to one-process SGD on the union of the workers' batches; a worker killed mid-epoch (Ray restarts the group
 from the last checkpoint, the estimates come back by identity, no sample lost or doubled); the group resized through
-restarts. Each test shuts its cluster down (the script does) and checks that no Ray process is left.
+restarts; an epoch split by tokens (tests/scripts/ray_tokens.py). Each test shuts its cluster down (the script does)
+and checks that no Ray process is left.
 Ray's start-up is slow on 2 busy cores (a minute or more per cluster): the slow tier, and few tests."""
 from __future__ import annotations
 

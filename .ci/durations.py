@@ -1,11 +1,13 @@
 """CI's evidence (issue 47): every test's duration, read from the JUnit XML pytest wrote.
 
-    python .ci/durations.py runs/ci/junit.xml
+    python .ci/durations.py runs/ci/junit.xml [--costs tests/costs.csv]
 
 writes runs/ci/durations.csv (test, seconds, outcome; slowest first) beside it, prints the 30 slowest and the
 total per file, and names every test not listed in SLOW below that took over LIMIT_S (120 s): a test that slow is
 to be made cheaper (one launch per door, many checks inside it), moved to `make bench`, or named here with its
 reason.
+--costs also writes each file's total seconds, costliest first, to the given table: tests/conftest.py starts the
+costliest files first from it (refresh it after a full run when files are added or their cost moves).
 It reports and never fails: a wall time is the machine's, not the code's, and a CI verdict resting on it failed a
 submission whose every test passed (test_real_data took 224 s on a slower CI machine, 2026-12-04). It exits 0
 unless the XML cannot be read.
@@ -78,7 +80,7 @@ def _outcome(case: ET.Element) -> str:
     return "passed"
 
 
-def main(xml: str) -> int:
+def main(xml: str, costs: str | None = None) -> int:
     cases = [(_name(c), float(c.get("time", 0)), _outcome(c)) for c in ET.parse(xml).getroot().iter("testcase")]
     cases.sort(key=lambda c: -c[1])
     out = Path(xml).with_name("durations.csv")
@@ -90,6 +92,11 @@ def main(xml: str) -> int:
     for n, t, _ in cases:
         per_file[n.split("::")[0]] += t
     total = sum(per_file.values())
+    if costs:
+        with Path(costs).open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["file", "seconds"])
+            w.writerows([(path, f"{t:.1f}") for path, t in sorted(per_file.items(), key=lambda kv: -kv[1])])
     print(f"\nci: {len(cases)} tests, {total:.0f} s in tests ({out})\nthe 30 slowest:")
     for n, t, o in cases[:30]:
         print(f"  {t:7.1f} s  {n}{'' if o == 'passed' else f'  ({o})'}")
@@ -104,4 +111,6 @@ def main(xml: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    if len(sys.argv) not in (2, 4) or (len(sys.argv) == 4 and sys.argv[2] != "--costs"):
+        sys.exit("usage: python .ci/durations.py JUNIT_XML [--costs TABLE]")
+    sys.exit(main(sys.argv[1], sys.argv[3] if len(sys.argv) == 4 else None))

@@ -10,12 +10,16 @@ import pytest
 from hetero.lab.launch import ROOT
 
 
-@pytest.fixture
-def durations():
-    spec = importlib.util.spec_from_file_location("ci_durations", ROOT / ".ci" / "durations.py")
+def _load(name: str, path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def durations():
+    return _load("ci_durations", ROOT / ".ci" / "durations.py")
 
 
 def _xml(path, cases: list[tuple[str, str, float, str]]):
@@ -47,6 +51,49 @@ def test_a_named_slow_test_is_not_reported_with_its_parameters(durations, tmp_pa
     monkeypatch.setitem(durations.SLOW, "tests/integration/test_b.py::test_slow", "one launch of many checks")
     assert durations.main(str(xml)) == 0
     assert "took" not in capsys.readouterr().out
+
+
+def test_the_per_file_table_is_written_costliest_first_and_read_back_by_the_test_order(durations, tmp_path, capsys):
+    xml = _xml(tmp_path / "junit.xml", [("tests.unit.test_a", "test_x", 2.0, ""),
+                                        ("tests.unit.test_a", "test_y", 1.5, ""),
+                                        ("tests.integration.test_b", "test_z", 9.0, "")])
+    assert durations.main(str(xml), str(tmp_path / "costs.csv")) == 0
+    order = _load("tests_conftest", ROOT / "tests" / "conftest.py")
+    assert list(order.file_costs(tmp_path / "costs.csv").items()) == [("tests/integration/test_b.py", 9.0),
+                                                                     ("tests/unit/test_a.py", 3.5)]
+    assert order.file_costs(tmp_path / "missing.csv") == {}
+
+
+def test_the_costliest_files_run_first_each_keeping_its_tests_order(monkeypatch, tmp_path):
+    """tests/conftest.py: with --no-loadscope-reorder, xdist hands out the files in this order (longest first); a file
+    not in the table goes last, in collection order. Control: an empty table leaves the order as collected."""
+    order = _load("tests_conftest", ROOT / "tests" / "conftest.py")
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    ids = ["tests/unit/test_a.py::t1", "tests/unit/test_new.py::t1", "tests/unit/test_a.py::t2",
+           "tests/integration/test_b.py::t2", "tests/integration/test_b.py::t1", "tests/unit/test_c.py::t1"]
+    table = tmp_path / "costs.csv"
+    table.write_text("file,seconds\ntests/unit/test_a.py,3.5\ntests/integration/test_b.py,9.0\ntests/unit/test_c.py,0.2\n")
+    monkeypatch.setattr(order, "COSTS", table)
+    items = [Item(i) for i in ids]
+    order.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == ["tests/integration/test_b.py::t2", "tests/integration/test_b.py::t1",
+                                         "tests/unit/test_a.py::t1", "tests/unit/test_a.py::t2",
+                                         "tests/unit/test_c.py::t1", "tests/unit/test_new.py::t1"]
+    monkeypatch.setattr(order, "COSTS", tmp_path / "none.csv")
+    items = [Item(i) for i in ids]
+    order.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == ids
+
+
+def test_the_committed_cost_table_names_test_files_that_exist():
+    """A file renamed or removed leaves a dead row (harmless to the order, but the table is to be refreshed)."""
+    rows = list(csv.DictReader((ROOT / "tests" / "costs.csv").open()))
+    assert rows and all((ROOT / r["file"]).is_file() and float(r["seconds"]) >= 0 for r in rows)
+    assert [float(r["seconds"]) for r in rows] == sorted((float(r["seconds"]) for r in rows), reverse=True)
 
 
 def test_every_named_test_exists(durations):

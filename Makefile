@@ -94,10 +94,10 @@ experiment: $(STAMP)  ## one training run under torchrun, e.g. make experiment M
 	OMP_NUM_THREADS=$(OMP_NUM_THREADS) $(BIN)/torchrun $(TORCHRUN_ARGS) -m hetero.trainer $(ARGS)
 
 # JOBS: pytest-xdist runs the test files in JOBS processes (--dist loadfile: a file's tests stay in one, so its
-# shared fixtures launch once), the costliest files first (tests/conftest.py, from tests/costs.csv). Default 2, CI
-# included: a launch leaves a core idle while its ranks wait at an all-reduce or a launcher starts
-# (docs/getting-started.md: the times). JOBS=1 runs them one by one, in one process.
-JOBS ?= 2
+# shared fixtures launch once), the costliest files first (tests/conftest.py, from tests/costs.csv). Default 3 on
+# 2 cores, CI included: a launch leaves a core idle while its ranks wait at an all-reduce, a timeout or a launcher's
+# start, and a third process fills it (docs/getting-started.md: the times). JOBS=1 runs them one by one.
+JOBS ?= 3
 $(call digits,$(JOBS),JOBS)
 XDIST := $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile --no-loadscope-reorder,)
 

@@ -47,7 +47,10 @@ def test_bench_quickest(tmp_path):
     assert abs(sum(r["shares"]) - 1) < 0.01  # over_ideal, over_sync_bound: hardware figures, only finite
     assert r["shares"][1] < 0.5  # the slowed rank (the last) was given less work
     m = r["cost_model"]
-    assert m["scale"][1] > m["scale"][0] and m["ideal_sizes"][1] < m["ideal_sizes"][0]
+    # the emulated slowdown is measured as the slowed rank's sleeps over its compute (factor); `scale` is each rank's
+    # own compute speed with the sleeps taken out, which is the host's: a neighbour on rank 0's core (a Ray test in
+    # the other xdist process) made it the slower one, so no order of the scales is asserted (issue 47)
+    assert m["factor"][1] > 4 and m["factor"][0] == 1 and m["ideal_sizes"][1] < m["ideal_sizes"][0]
     assert m["ideal_step_s"] < m["sync_step_s"] and sum(m["ideal_sizes"]) == 64
     assert r["predicted_speedup"] > 1.1  # an 8x slower rank: balancing must be predicted to pay
     rep = r["replay"]  # the run replayed in the simulator with its own jitter: same measured figure, a finite guess

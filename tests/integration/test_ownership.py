@@ -205,7 +205,9 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
 
     import hetero.lab.grid as hg
 
-    g = hg.plan_grid(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=60, **{**GRID, "epochs": 1000})
+    # 30 s: the run's ranks exist within about 10 s on a loaded host, and rank 1 is stopped 3 s after it appears;
+    # the run never ends by itself (1000 epochs), so the timeout is the whole wait (it was 60 s, half of it idle)
+    g = hg.plan_grid(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=30, **{**GRID, "epochs": 1000})
     seen, stopped = set(), []
 
     def stop_rank_1():  # the run's processes carry its folder on their command line

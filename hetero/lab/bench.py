@@ -300,6 +300,7 @@ def run_outside(suite: Suite, out: Path, res: dict) -> None:
     calib = res.get("calibration")
     calib = (calib["fixed_s"], calib["per_sample_s"]) if calib else efficiency.calibrate(suite.global_batch(2))
     res.setdefault("calibration", {"fixed_s": calib[0], "per_sample_s": calib[1]})
+    tag = os.environ.setdefault(outside.TAG, f"{os.getpid()}-{time.time_ns()}")  # what its neighbours carry
     with outside.bench_cgroup() as (group, why):
         if group is None and any(map(outside.needs_cgroup, suite.outside)):
             res["notes"].append(f"outside: the quota rows were skipped: {why}")
@@ -312,7 +313,7 @@ def run_outside(suite: Suite, out: Path, res: dict) -> None:
                 outside.optimum_drift(res["outside"], out / "outside_optimum_drift.png")):
         if fig:
             res["figures"] = [*res.get("figures", []), str(fig)]
-    res["outside_teardown"] = outside.leftovers(None if group is None else str(group))
+    res["outside_teardown"] = outside.leftovers(None if group is None else str(group), tag)
 
 
 def _moves(move, z) -> str:

@@ -303,14 +303,20 @@ def optimum_drift(rows: list[dict], path: Path, within: float = 0.02) -> Path | 
     return path
 
 
-def leftovers(group: str | None) -> dict:
-    """What the part left behind: cgroups below the bench's own (or it), and busy neighbours still running."""
-    busy = []
+TAG = "HETERO_OUTSIDE_TAG"  # the bench's outside part sets it in its environment: its busy neighbours inherit it
+
+
+def leftovers(group: str | None, tag: str | None = None) -> dict:
+    """What the part left behind: cgroups below the bench's own (or it), and busy neighbours still running; with
+    `tag`, only those whose environment carries it (TAG), so that another job's busy process on this host, a test's
+    beside it for one, is not counted as this part's."""
+    busy, mine = [], f"{TAG}={tag}".encode()
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             with contextlib.suppress(OSError):
-                if straggler.BUSY.encode() in Path(entry.path, "cmdline").read_bytes():
+                if straggler.BUSY.encode() in Path(entry.path, "cmdline").read_bytes() and (
+                        tag is None or mine in Path(entry.path, "environ").read_bytes().split(b"\0")):
                     busy.append(int(entry.name))
     left = [str(p) for p in Path(group).rglob("*") if p.is_dir()] if group and Path(group).is_dir() else []
     return {"cgroup": group, "cgroup_exists": bool(group and Path(group).is_dir()), "cgroups_left": left,
-            "busy_left": busy}
+            "busy_left": busy, "tag": tag}

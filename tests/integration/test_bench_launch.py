@@ -123,7 +123,8 @@ def test_bench_outside_quick_rows_teardown_and_figures(tmp_path):
         assert math.isfinite(r["over_ideal"]) and r["simulated"] is not None and abs(sum(r["shares"]) - 1) < 0.01
     td = res["outside_teardown"]
     assert td["cgroups_left"] == [] and not td["cgroup_exists"] and td["busy_left"] == []
-    assert outside.leftovers(None)["busy_left"] == []  # and none now, after the bench has exited
+    assert td["tag"] and outside.leftovers(None, td["tag"])["busy_left"] == []  # none now, after the bench exited
+    # (by its tag: a busy neighbour of a test in another xdist process is not the bench's)
     (cg,) = res["come_and_go"]
     assert cg["neighbour_epochs"] == [2, 4]  # started after epoch 2, stopped after epoch 4 (quick form)
     assert (out / "outside_come_and_go.png").stat().st_size > 0 and "comes and goes" in (out / "table.md").read_text()

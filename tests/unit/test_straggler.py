@@ -104,11 +104,13 @@ def test_a_paused_neighbour_runs_only_on_its_core_and_spins_from_its_resume(monk
         pytest.skip("one core: a process pinned to it cannot be told from one that is not")
     real, parent, core = os.sched_setaffinity, os.getpid(), max(os.sched_getaffinity(0))
     monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cores: None if os.getpid() == parent else real(pid, cores))
+    monkeypatch.setenv(outside.TAG, "mine")  # what the bench's outside part sets: its neighbours carry it
     p = straggler.start_busy({core}, paused=True)
     try:
         state, ticks, last = _stat(p.pid)
         assert state == "T" and last == core and os.sched_getaffinity(p.pid) == {core}
-        assert p.pid in outside.leftovers(None)["busy_left"]
+        assert p.pid in outside.leftovers(None)["busy_left"] and p.pid in outside.leftovers(None, "mine")["busy_left"]
+        assert p.pid not in outside.leftovers(None, "another")["busy_left"]  # another job's count leaves it out
         time.sleep(0.2)
         assert _stat(p.pid)[:2] == ("T", ticks)  # paused: no CPU at all
         straggler.resume_busy(p)

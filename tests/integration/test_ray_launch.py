@@ -46,15 +46,25 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _is_ray(name: str, argv: list[str]) -> bool:
+    """A process of Ray's own: raylet or gcs_server, a worker named ray::..., or Ray's code run as a program (its
+    binary or script among the first arguments). Matched on whole arguments, so that a process of another test
+    whose code string merely names Ray's folder (a multiprocessing fork server's `-c` with its sys.path, from
+    another xdist process) is not counted: that was a failure by chance of schedule (2026-12-06)."""
+    head = argv[:4]
+    return (name in ("raylet", "gcs_server") or bool(argv) and argv[0].startswith("ray::")
+            or any("site-packages/ray/" in a and not a.startswith("-") and " " not in a for a in head))
+
+
 def _ray_processes(since: float) -> list[str]:
     """Ray's processes started after `since` (raylet, gcs_server, its agents, workers named ray::...)."""
     out = []
     for p in psutil.process_iter(["name", "cmdline", "create_time"]):
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
-            if p.info["create_time"] >= since - 1 and p.status() != psutil.STATUS_ZOMBIE and (
-                    "ray::" in cmd or "site-packages/ray/" in cmd or p.info["name"] in ("raylet", "gcs_server")):
-                out.append(f"{p.pid} {cmd[:100]}")
+            argv = p.info["cmdline"] or []
+            if p.info["create_time"] >= since - 1 and p.status() != psutil.STATUS_ZOMBIE and _is_ray(
+                    p.info["name"] or "", argv):
+                out.append(f"{p.pid} {' '.join(argv)[:100]}")
         except psutil.Error:
             continue
     return out

@@ -2,7 +2,8 @@
 
 - bind: the engine and its plan for one rank of a world, once (a second bind must name the same world).
 
-- attach: a DDP model gets the weighting communication hook (hook.py); an FSDP2 root gets its weighted
+- attach: a DDP model gets the weighting communication hook (hook.py), or with weighting="loss" the loss door
+  (lossweight.py: bal.backward weighs the loss, DDP's own all-reduce sums); an FSDP2 root gets its weighted
   reduce-scatter (fsdp.py); a DeepSpeed engine gets its door (deepspeed.py: the weighted loss, one reduction); each
   gets the forward counter and the optimizer guard (guard.py). Collective: the ranks compare their settings and
   gather their worker identities.
@@ -18,6 +19,7 @@ from .agree import HeteroError
 from .engine import Engine, build, emulated
 from .guard import OptimizerGuard
 from .hook import balance_hook
+from .lossweight import LossWeighting
 from .replay import fit
 from .rules import whole
 from .settings import Settings
@@ -58,8 +60,13 @@ def attach(e: Engine, model: torch.nn.Module, probed: bool) -> OptimizerGuard:
         door = deepspeed.attach(e, model)
     elif not isinstance(model, torch.nn.parallel.DistributedDataParallel) or fsdp.refusal(model, e.plan.world):
         schedule = fsdp.attach(e, model)  # refuses FSDP1, DDP around FSDP2, a non-root, ... in one line
+    if e.plan.settings.weighting == "loss" and (schedule is not None or door is not None):
+        own = "FSDP2 weighs in its reduce-scatter" if door is None else "DeepSpeed weighs the loss in engine.backward"
+        raise HeteroError(f"hetero: weighting='loss' is for a DDP model ({own}): leave weighting='hook'")
     e.connect(model, schedule, door)
-    if schedule is None and door is None:
+    if e.plan.settings.weighting == "loss" and schedule is None and door is None:
+        e.link.loss = LossWeighting(e, model)  # DDP's own all-reduce; bal.backward(loss) weighs the loss
+    elif schedule is None and door is None:
         model.register_comm_hook(e, balance_hook)
     # a DeepSpeed engine's own `training` never changes (its train() and eval() set its module's): count there
     (model.module if door is not None else model).register_forward_pre_hook(e.count_forward)

@@ -69,6 +69,8 @@ class Balance:
         loss_mean: "samples" (weights b_i/B) or, with collator, "tokens" (a token-mean loss: weights n_i/N).
         max_tokens: with collator and micro_batch, the most tokens one micro-batch of a rank holds (an int, or one
             per rank, None: no cap): its rows are cut into micro-batches within it (docs/tokens.md).
+        weighting: "hook" (a communication hook weighs every backward) or, for a DDP loop that calls
+            `bal.backward(loss)`, "loss": the weight on the loss, DDP's own all-reduce (less host time per step).
 
     Raises:
         ValueError: a setting out of range, in one line.
@@ -79,12 +81,13 @@ class Balance:
                  max_batch: int | str | Sequence | None = None, seed: int = 0, lag: int | None = None,
                  sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None,
                  collator: str | None = None, attention: float | None = None, loss_mean: str = "samples",
-                 max_tokens: int | Sequence | None = None):
+                 max_tokens: int | Sequence | None = None, weighting: str = "hook"):
         self.settings = Settings(global_batch=global_batch, scheme=scheme, rebalance_every=rebalance_every,
                                  smoothing=smoothing, deadband=deadband, significance=significance,
                                  min_batch=min_batch, max_batch=max_batch, seed=seed, lag=lag, sit_out=sit_out,
                                  micro_batch=micro_batch, worker_id=worker_id, collator=collator,
-                                 attention=attention, loss_mean=loss_mean, max_tokens=max_tokens)
+                                 attention=attention, loss_mean=loss_mean, max_tokens=max_tokens,
+                                 weighting=weighting)
         self._hetero, self._replay, self._probed = "", None, False
         self._engine: Engine | None = None
         self._data: tuple = (0, None)  # batch_sampler's n_samples and by_tokens', kept for a world bound after it
@@ -266,6 +269,15 @@ class Balance:
             HeteroError: no step running (call it inside `with bal.step():` or after begin_step).
         """
         self.engine.running().weight = float(weight)
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """The step's backward, weighted: with weighting="loss" the backward of loss x w_i x n (DDP's own all-reduce
+        then gives every rank the exact gradient); else `loss.backward(**kwargs)`, which the comm hook weighs.
+
+        Raises:
+            HeteroError: with weighting="loss", no step running, a backward that bypassed it, a sync out of turn.
+        """
+        self.engine.backward(loss, **kwargs)
 
     def mark_backward(self) -> None:
         """Optional, right after loss.backward(): the all-reduce's wait ends there (what follows counts as compute).

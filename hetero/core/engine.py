@@ -298,6 +298,17 @@ class Engine:
             raise HeteroError("hetero: a backward ran outside `with bal.step()` (or begin_step/end_step)")
         return self._step
 
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """`bal.backward(loss)`: the loss door's weighted backward (weighting="loss"), a DeepSpeed engine's own
+        backward (its door weighs), else loss.backward() (the comm hook or FSDP2's reduce-scatter weighs)."""
+        link = self.link
+        if link.loss is not None:
+            link.loss.backward(loss, **kwargs)
+        elif link.ds is not None:
+            link.model.backward(loss, **kwargs)
+        else:
+            loss.backward(**kwargs)
+
     def count_forward(self, module: torch.nn.Module, args: tuple) -> None:
         """Count one training forward of the running step. The attached model's forward pre-hook calls it; a host
         whose framework runs all the step's micro-batches inside one forward calls it at each backward instead
@@ -318,19 +329,23 @@ class Engine:
             refuse(f"hetero: rank {s.rank} ran {s.forwards} forwards in step {s.index} of epoch {s.epoch}, where its "
                    f"count is {s.expected}: run bal.micro_batches micro-batches per step (the loader's batches)")
 
-    def gradients_ready(self) -> Step:
+    def gradients_ready(self, count: bool = True, ready: bool = True) -> Step:
         """The hook's call at the step's last bucket: local gradients are complete (an emulated slow rank spends
-        its delay here; the clock marks `ready`). A sync before this rank's last micro-batch stops here."""
+        its delay here; the clock marks `ready`). A sync before this rank's last micro-batch stops here. The loss
+        door (lossweight.py) makes the two halves apart: the count and its check before a synced backward enters
+        DDP's all-reduce (ready=False), the mark at its first parameter's gradient (count=False)."""
         s, link = self.running(), self.link
-        s.syncs += 1
-        if link.model is not None and (s.forwards != s.expected or s.syncs > 1):
-            refuse(f"hetero: rank {s.rank} all-reduced its gradients after {s.forwards} of its {s.expected} "
-                   f"micro-batches in step {s.index} of epoch {s.epoch}: run bal.micro_batches micro-batches per "
-                   f"step, all but the last under no_sync (or use `with bal.step()`)")
-        link.unsynced = False
-        if self._emulator.effects and not s.sits_out:  # a rank sitting out has nothing to slow down
-            s.delay_s = spend_delay(self._emulator, s.epoch, self.plan.at.global_step, s.clock)
-        s.clock.mark("ready")
+        if count:
+            s.syncs += 1
+            if link.model is not None and (s.forwards != s.expected or s.syncs > 1):
+                refuse(f"hetero: rank {s.rank} all-reduced its gradients after {s.forwards} of its {s.expected} "
+                       f"micro-batches in step {s.index} of epoch {s.epoch}: run bal.micro_batches micro-batches "
+                       f"per step, all but the last under no_sync (or use `with bal.step()`)")
+            link.unsynced = False
+        if ready:
+            if self._emulator.effects and not s.sits_out:  # a rank sitting out has nothing to slow down
+                s.delay_s = spend_delay(self._emulator, s.epoch, self.plan.at.global_step, s.clock)
+            s.clock.mark("ready")
         return s
 
     def end(self) -> Decision | None:
@@ -340,6 +355,8 @@ class Engine:
         self._step = None
         if link.peer_failed:
             raise HeteroError(link.peer_failed)
+        if link.loss is not None:
+            link.loss.check(s)
         if link.model is not None and (s.syncs != 1 or s.forwards != s.expected):
             hint = ("run bal.micro_batches micro-batches per step, the last one synced" if m else
                     "gradient accumulation (no_sync) needs micro_batch: set Balance(micro_batch=m)")

@@ -7,7 +7,8 @@ process group's store so the other ranks, whose collectives then fail, raise the
   running fewer micro-batches than the schedule's);
 - in micro-batch mode, an optimizer step after more than one step of the schedule (a loop running more). A
   `zero_grad(set_to_none=True)` resets the count, so a step a GradScaler skipped is not refused;
-- an optimizer step after this rank's gradient collective failed because a peer stopped: the peer's line.
+- an optimizer step after this rank's gradient collective failed because a peer stopped: the peer's line;
+- with weighting="loss", an optimizer step after a backward that bypassed bal.backward (an unweighted gradient).
 It reads the flags the step engine shares with it (its link, link.py), never the Balance.
 """
 from __future__ import annotations
@@ -20,15 +21,22 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .agree import HeteroError
 from .engine import Engine, refuse
 
+# the hooks of collected engines, removed at the next attach: never from the finalizer itself, which the garbage
+# collector may run inside torch's loop over the global hooks (an optimizer step), where a removal breaks the loop
+# ("OrderedDict mutated during iteration"); a retired hook is a no-op until then
+_retired: list = []
+
 
 class OptimizerGuard:
     def __init__(self, engine: Engine, model: torch.nn.Module):
+        while _retired:
+            _retired.pop().remove()
         self._engine = weakref.ref(engine)
         self._params = {id(p) for p in model.parameters()}
         self._owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> steps the model?
         check = weakref.WeakMethod(self._before_step)
         handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: (c := check()) and c(opt))
-        weakref.finalize(engine, handle.remove)
+        weakref.finalize(engine, _retired.append, handle)
 
     def _before_step(self, opt: torch.optim.Optimizer) -> None:
         owns = self._owns.get(opt)
@@ -41,6 +49,8 @@ class OptimizerGuard:
         if link.peer_failed:
             raise HeteroError(link.peer_failed)
         s, epoch = e.running(required=False), p.at.epoch
+        if link.loss is not None:
+            link.loss.check(s)
         if link.unsynced and s is not None:
             refuse(f"hetero: rank {p.rank} stepped its optimizer after {s.expected - s.left} of its {s.expected} "
                    f"micro-batches at step {s.index} of epoch {epoch}, on gradients that were not all-reduced: "

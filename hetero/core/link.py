@@ -1,5 +1,6 @@
 """What the step engine shares with the parts installed on the model: the comm hook (hook.py), FSDP2's comms
-(fsdp.py), a DeepSpeed engine's door (deepspeed.py) and the optimizer guard (guard.py).
+(fsdp.py), a DeepSpeed engine's door (deepspeed.py), the loss weighting (lossweight.py) and the optimizer guard
+(guard.py).
 
 One small object, set once at attach (Engine.connect) and then read and flagged by those parts during a step, as
 accelerate's data loader and optimizer read its `GradientState`: the parts never reach into the engine's own state,
@@ -19,6 +20,7 @@ class Link:
         self.model: torch.nn.Module | None = None  # the attached DDP model or FSDP2 root (None: not attached)
         self.fsdp = None                        # an FSDP2 model's schedule (fsdp.FSDPSchedule)
         self.ds = None                          # a DeepSpeed engine's door (deepspeed.DeepSpeedDoor)
+        self.loss = None                        # weighting="loss": the DDP model's loss door (lossweight.py)
         self.device = self.coll = torch.device("cpu")  # the model's device; the collectives' (NCCL: the device)
         self.sync_now = True      # the micro-batch running now (or next) all-reduces
         self.unsynced = False     # a backward ran under no_sync since the last all-reduce (the guard reads it)

@@ -236,10 +236,13 @@ class SizeSchedule:
         return first
 
     def ended(self, pos: int) -> None:
-        """The step at pos ended: the sizes fixed up to it are no longer needed."""
-        self.planned = {p: v for p, v in self.planned.items() if p > pos}
-        self.rows = {p: v for p, v in self.rows.items() if p > pos}
-        self.micro = {p: v for p, v in self.micro.items() if p > pos}
+        """The step at pos ended: the sizes fixed up to it are no longer needed (steps end in order, so only pos's
+        go, unless a position before it was asked for since: then every one up to pos)."""
+        for d in (self.planned, self.rows, self.micro):
+            d.pop(pos, None)
+            if d and min(d) < pos:
+                for p in [p for p in d if p < pos]:
+                    del d[p]
 
     # -- regimes (a decision's sizes from where it takes effect) ----------------------------------------------
     def adopt(self, pos: int, furthest: int) -> int:

@@ -32,6 +32,7 @@ class Settings:
     attention: float | None = None  # with collator: a squared length's weight in a row's cost (None: fitted)
     loss_mean: str = "samples"    # the loss's mean: over samples (weights b_i/B) or over tokens (n_i/N)
     max_tokens: int | Sequence | None = None  # with collator and micro_batch: tokens one micro-batch holds, per rank
+    weighting: str = "hook"       # DDP: "hook" (a comm hook weighs the gradients) or "loss" (bal.backward(loss))
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
@@ -50,6 +51,9 @@ class Settings:
             raise ValueError(f"sit_out must be True or False (got {self.sit_out!r})")
         check_sit_out(self.sit_out, SCHEMES[self.scheme].rule, self.micro_batch)
         check_tokens(self)
+        if self.weighting not in ("hook", "loss"):
+            raise ValueError(f"weighting must be 'hook' (a comm hook weighs every backward) or 'loss' (bal.backward "
+                             f"weighs the loss; a DDP loop that owns its backward) (got {self.weighting!r})")
         if self.worker_id is not None and not (isinstance(self.worker_id, str) and self.worker_id.strip()):
             raise ValueError(f"worker_id must be a non-empty string (got {self.worker_id!r})")
 

@@ -20,7 +20,9 @@ a timer for that loop only (nothing is timed in the library itself, so the timer
 - decision: the decisions (collective, every REBALANCE_EVERY steps), per step;
 - metrics: `bal.metrics()`, called once per step (a logger's call; not part of the step's time above);
 - collective: the collectives themselves, called from hetero's comm hook or FSDP2 comms (plain DDP's reducer and
-  plain FSDP2 issue the same ones): not hetero's cost, kept out of the hook's.
+  plain FSDP2 issue the same ones): not hetero's cost, kept out of the hook's;
+- backward: with weighting="loss", the backward that `bal.backward` runs (autograd, DDP's reducer: the plain loop's
+  own work), kept out of the loss door's, which is counted as `hook` (its `ready` as `ready`).
 The phases are exclusive, main thread only; what the other threads spend (gloo's callbacks) shows in the CPU time.
 
     torchrun --standalone --nproc-per-node=2 -m hetero.lab.host --out FILE --steps N
@@ -43,11 +45,15 @@ from .measure import launch, markdown_table
 
 REBALANCE_EVERY = 10  # decisions every 10 steps, as the overhead part's API loop
 PER_RANK = 4
-DOORS = ("ddp", "fsdp", "hf")  # hf: the HF Trainer's step path (HeteroTrainer against Trainer), with the [hf] extra
+# hf: the HF Trainer's step path (HeteroTrainer against Trainer), with the [hf] extra; ddp_loss: DDP with
+# Balance(weighting="loss") and bal.backward(loss), DDP's own C++ all-reduce (no comm hook), in the DDP door's turns
+DOORS = ("ddp", "ddp_loss", "fsdp", "hf")
+LABELS = {"ddp": "DDP", "ddp_loss": "DDP, weighting='loss'", "fsdp": "FSDP2", "hf": "HF Trainer"}
 # the loops per door, in turn step by step: plain, hetero, and (DDP) torch's own Python all-reduce comm hook, the
-# floor of any comm hook written in Python (hetero's weighting is one)
-KINDS = {"ddp": ("plain", "torch_hook", "hetero"), "fsdp": ("plain", "hetero"), "hf": ("plain", "hetero")}
-PHASES = ("sampler", "begin", "ready", "hook", "guard", "end", "decision", "metrics", "collective")
+# floor of any comm hook written in Python (hetero's default weighting is one), and hetero weighing the loss
+KINDS = {"ddp": ("plain", "torch_hook", "hetero", "hetero_loss"), "fsdp": ("plain", "hetero"),
+         "hf": ("plain", "hetero")}
+PHASES = ("sampler", "begin", "ready", "hook", "guard", "end", "decision", "metrics", "collective", "backward")
 
 
 class Phases:
@@ -95,6 +101,11 @@ def _instrument(phases: Phases):
 
     patch(engine.Engine, "begin", "begin")
     patch(engine.Engine, "gradients_ready", "ready")
+    from ..core import lossweight
+    patch(lossweight.LossWeighting, "backward", "hook")
+    patch(lossweight.LossWeighting, "_reached", "ready")
+    import torch
+    patch(torch.Tensor, "backward", "backward")
     patch(engine.Engine, "end", "end")
     patch(engine.Engine, "count_forward", "guard")
     patch(guard.OptimizerGuard, "_before_step", "guard")
@@ -209,17 +220,21 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
         bal = None
         if kind == "torch_hook":  # torch's own Python all-reduce hook: what any Python comm hook costs
             m.register_comm_hook(None, default_hooks.allreduce_hook)
-        if kind == "hetero":
-            bal = Balance(global_batch=B, scheme="edp", rebalance_every=REBALANCE_EVERY, seed=seed)
+        backward = torch.Tensor.backward  # loss.backward()
+        if kind.startswith("hetero"):
+            bal = Balance(global_batch=B, scheme="edp", rebalance_every=REBALANCE_EVERY, seed=seed,
+                          weighting="loss" if kind == "hetero_loss" else "hook")
             bal.attach(m)
             loader = DataLoader(ds, batch_sampler=bal.batch_sampler(len(ds)))
+            if kind == "hetero_loss":
+                backward = bal.backward
         else:
             loader = DataLoader(ds, batch_size=PER_RANK, drop_last=True,
                                 sampler=DistributedSampler(ds, shuffle=True, seed=seed, drop_last=True))
-        return m, opt, bal, loader
+        return m, opt, bal, loader, backward
 
     def start(lp, epoch):
-        m, opt, bal, loader = lp
+        m, opt, bal, loader, _ = lp
         if bal is not None:
             bal.set_epoch(epoch)
         else:
@@ -227,11 +242,11 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
         return iter(loader)
 
     def one(lp, it) -> tuple[float, float]:
-        m, opt, bal, _ = lp
+        m, opt, bal, _, backward = lp
         t0, c0 = time.perf_counter(), time.process_time()
         x, y = next(it)
         with bal.step() if bal is not None else nullcontext():
-            F.cross_entropy(m(x), y).backward()
+            backward(F.cross_entropy(m(x), y))
             opt.step()
             opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t0, time.process_time() - c0
@@ -248,27 +263,32 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
                     if epoch:
                         times[k]["wall_s"].append(wall)
                         times[k]["cpu_s"].append(cpu)
-        phases = Phases()
-        undo = _instrument(phases)  # before attach: the hook and the bound pre-hooks are the wrapped ones
-        try:
-            lp = loop(door, "hetero")
-            wall_s, cpu_s = [], []
-            for epoch in range(2):
-                it = start(lp, epoch)
-                if epoch:
-                    phases.total = {p: 0.0 for p in PHASES}
-                for _ in range(steps):
-                    wall, cpu = one(lp, it)
-                    t0 = time.perf_counter()
-                    lp[2].metrics()
-                    phases.total["metrics"] += time.perf_counter() - t0
+        for kind in (k for k in loops if k.startswith("hetero")):
+            phases = Phases()
+            undo = _instrument(phases)  # before attach: the hook and the bound pre-hooks are the wrapped ones
+            try:
+                lp = loop(door, kind)
+                wall_s, cpu_s = [], []
+                for epoch in range(2):
+                    it = start(lp, epoch)
                     if epoch:
-                        wall_s.append(wall)
-                        cpu_s.append(cpu)
-        finally:
-            undo()
-        res[door] = {**times, "phased": {"wall_s": wall_s, "cpu_s": cpu_s},
-                     "phases_s": {p: v / steps for p, v in phases.total.items()}}
+                        phases.total = {p: 0.0 for p in PHASES}
+                    for _ in range(steps):
+                        wall, cpu = one(lp, it)
+                        t0 = time.perf_counter()
+                        lp[2].metrics()
+                        phases.total["metrics"] += time.perf_counter() - t0
+                        if epoch:
+                            wall_s.append(wall)
+                            cpu_s.append(cpu)
+            finally:
+                undo()
+            own = {"plain": times["plain"], "hetero": times[kind]}  # the loss door: its own row against plain DDP
+            if kind == "hetero" and "torch_hook" in times:
+                own["torch_hook"] = times["torch_hook"]
+            res[door if kind == "hetero" else f"{door}_loss"] = {
+                **own, "phased": {"wall_s": wall_s, "cpu_s": cpu_s},
+                "phases_s": {p: v / steps for p, v in phases.total.items()}}
         dist.barrier()
     if hf_runs:
         res["hf"] = hf_door(hf_runs, hf_steps, seed, out.with_suffix(""))  # the Trainer's folder (nothing saved)
@@ -335,7 +355,7 @@ def figure(summ: dict, path: Path) -> Path | None:
         for j, (label, v, colour) in enumerate(measured):
             ax.barh(y - 0.25 - 0.22 * j, v, height=0.2, color=colour, label=label if y == ys[0] else None)
     ax.axvline(100, color="tab:red", ls="--", lw=0.8)
-    ax.set_yticks(ys, [{"ddp": "DDP", "fsdp": "FSDP2", "hf": "HF Trainer"}[d] for d in doors])
+    ax.set_yticks(ys, [LABELS[d] for d in doors])
     ax.invert_yaxis()
     ax.set_xlabel("µs per step (2 gloo ranks; DDP, FSDP2: Linear(8, 8), 4 samples per rank; HF: a tiny GPT-2)")
     ax.grid(axis="x", alpha=0.3)

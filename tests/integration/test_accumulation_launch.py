@@ -49,14 +49,15 @@ def _net(bn: bool = False) -> torch.nn.Module:
 
 
 def _steps(bal: hetero.Balance, ddp: DDP, steps: int) -> tuple[list[int], list[int]]:
-    """The user's loop of the README: micro-batches from the sampler, opt.step where bal.sync_now."""
+    """The user's loop of the README: micro-batches from the sampler, opt.step where bal.sync_now (with
+    weighting="loss", bal.backward(loss) in place of loss.backward())."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
     loader = DataLoader(DATA, batch_sampler=bal.batch_sampler(len(DATA), seed=3))
     bal.set_epoch(0)
     micro, syncs = [], 0
     for x, y in itertools.islice(loader, steps * COUNTS[bal.rank]):
         with bal.step(batch_size=len(y)):
-            F.cross_entropy(ddp(x), y).backward()
+            bal.backward(F.cross_entropy(ddp(x), y))
             if bal.sync_now:
                 opt.step()
                 opt.zero_grad()
@@ -68,9 +69,11 @@ def _steps(bal: hetero.Balance, ddp: DDP, steps: int) -> tuple[list[int], list[i
 def _exact_worker(rank: int, out: str, world: int) -> None:
     _join(rank, world)
     result = {}
-    for name in ("edp", "sync", "bn"):
-        # replayed counts [1, 2, 5] (sizes 4, 8, 20): the loop below runs the real sampler and hook on them
-        bal = hetero.Balance(scheme="sync" if name == "sync" else "edp", global_batch=B, micro_batch=M)
+    for name in ("edp", "sync", "bn", "edp_loss", "sync_loss"):
+        # replayed counts [1, 2, 5] (sizes 4, 8, 20): the loop below runs the real sampler and hook on them (_loss:
+        # the weight on the loss, DDP's own all-reduce: a mean over 3 ranks, which the factor 3 undoes)
+        bal = hetero.Balance(scheme="sync" if name.startswith("sync") else "edp", global_batch=B, micro_batch=M,
+                             weighting="loss" if name.endswith("_loss") else "hook")
         bal.replay({0: np.array([[M * k for k in COUNTS]] * 2)})
         model = _net(bn=name == "bn")
         ddp = DDP(model)
@@ -82,9 +85,30 @@ def _exact_worker(rank: int, out: str, world: int) -> None:
         result[name] = {"params": [p.detach().flatten().tolist() for p in model.parameters()],
                         "buffers": [b.detach().flatten().tolist() for b in model.buffers()],
                         "micro": micro, "syncs": syncs, "broadcasts": len(broadcasts)}
+    # weighting="loss" and a plain loss.backward() on every rank: an unweighted gradient, refused at the optimizer
+    # step on every rank (the one refusal of this launch: it closes the group)
+    bal = hetero.Balance(global_batch=B, micro_batch=M, weighting="loss")
+    bal.replay({0: np.array([[M * k for k in COUNTS]] * 2)})
+    model = _net()
+    ddp = DDP(model)
+    bal.attach(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DataLoader(DATA, batch_sampler=bal.batch_sampler(len(DATA), seed=3))
+    bal.set_epoch(0)
+    try:
+        for x, y in itertools.islice(loader, COUNTS[rank]):
+            with bal.step():
+                F.cross_entropy(ddp(x), y).backward()
+                if bal.sync_now:
+                    opt.step()
+        result["bypassed"] = ""
+    except RuntimeError as e:
+        result["bypassed"] = str(e)
+    result["stepped"] = model[0].bias.detach().tolist() != _net()[0].bias.detach().tolist()
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _reference(weighted: bool) -> list[torch.Tensor]:
@@ -109,9 +133,18 @@ def test_unequal_accumulation_gives_the_exact_global_batch_gradient(exact_runs):
     exact, mean = _reference(weighted=True), _reference(weighted=False)
     assert max_diff([p.tolist() for p in exact], mean) > 1e-3             # the test tells the two apart
     for rank, r in enumerate(exact_runs):
-        assert r["edp"]["micro"] == [M] * COUNTS[rank] and r["edp"]["syncs"] == 1
-        assert max_diff(r["edp"]["params"], exact) < 1e-5
-        assert max_diff(r["sync"]["params"], mean) < 1e-5                   # unweighted: the mean of rank means
+        for by in ("", "_loss"):  # the weight in the comm hook, and on the loss (weighting="loss", bal.backward)
+            assert r["edp" + by]["micro"] == [M] * COUNTS[rank] and r["edp" + by]["syncs"] == 1
+            assert max_diff(r["edp" + by]["params"], exact) < 1e-5
+            assert max_diff(r["sync" + by]["params"], mean) < 1e-5         # unweighted: the mean of rank means
+
+
+def test_a_backward_that_bypasses_the_loss_weighting_is_refused_on_every_rank_before_the_step(exact_runs):
+    """weighting="loss" with loss.backward() instead of bal.backward(loss): the gradient hook on the first parameter
+    sees it under real DDP (before its reducer takes the gradient), and the optimizer step is refused."""
+    for rank, r in enumerate(exact_runs):
+        assert f"a backward ran outside bal.backward(loss) in step 0 of epoch 0 on rank {rank}" in r["bypassed"]
+        assert not r["stepped"]
 
 
 def test_batch_norm_with_unequal_counts_broadcasts_once_per_step_on_every_rank(exact_runs):

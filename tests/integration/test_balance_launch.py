@@ -113,19 +113,20 @@ def _exact_worker(rank: int, out: str) -> None:
     """One step of each variant with batch sizes 5 and 27 (rank 0 bounded to 5)."""
     _join(rank)
     result = {}
-    for name in ("edp", "sync", "scaler_clip"):
-        bal = hetero.Balance(scheme="sync" if name == "sync" else "edp", global_batch=32, max_batch=[5, None])
+    for name in ("edp", "sync", "scaler_clip", "edp_loss", "sync_loss", "scaler_clip_loss"):
+        bal = hetero.Balance(scheme="sync" if name.startswith("sync") else "edp", global_batch=32,
+                             max_batch=[5, None], weighting="loss" if name.endswith("_loss") else "hook")
         model = _net()
         ddp = DDP(model)
         bal.attach(ddp)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=name == "scaler_clip")
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=name.startswith("scaler_clip"))
         loader = DataLoader(DATA, batch_sampler=bal.batch_sampler(len(DATA), seed=3))
         bal.set_epoch(0)
         x, y = next(iter(loader))
         with bal.step():
-            scaler.scale(F.cross_entropy(ddp(x), y)).backward()
-            if name == "scaler_clip":
+            bal.backward(scaler.scale(F.cross_entropy(ddp(x), y)))
+            if name.startswith("scaler_clip"):
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             scaler.step(opt)
@@ -173,7 +174,8 @@ def test_edp_step_equals_single_process_sgd_and_scaler_and_clipping_keep_it(tmp_
     exact, mean = _reference(weighted=True), _reference(weighted=False)
     assert max_diff([p.tolist() for p in exact], mean) > 1e-3      # the test tells the two apart
     for rank in r:
-        assert max_diff(rank["edp"], exact) < 1e-5
-        assert max_diff(rank["sync"], mean) < 1e-5
-        assert max_diff(rank["scaler_clip"], _reference(weighted=True, clip=0.05)) < 1e-5
+        for by in ("", "_loss"):  # the weight in the comm hook, and on the loss (weighting="loss", bal.backward)
+            assert max_diff(rank["edp" + by], exact) < 1e-5
+            assert max_diff(rank["sync" + by], mean) < 1e-5
+            assert max_diff(rank["scaler_clip" + by], _reference(weighted=True, clip=0.05)) < 1e-5
         assert "ran 2 forwards in step 0 of epoch 0, where its count is 1" in rank["accumulation"]

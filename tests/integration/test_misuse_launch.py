@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -322,6 +323,37 @@ def test_a_probe_on_cpu_ranks_answers_no_limit_on_every_rank(cases):
 
 
 # -- every case above that needs no launch of its own, in one -----------------------------------------------------
+def _loss_peer_worker(rank: int, out: str) -> None:
+    """weighting="loss", counts [1, 3] of m = 4: rank 1 runs its first micro-batch's backward outside bal.backward
+    and is refused at its second, while rank 0 waits inside DDP's C++ all-reduce, which no watcher can end. Rank 0
+    is released when rank 1's process exits (this case is MANY's last, so it exits right after) and raises rank 1's
+    line."""
+    _join(rank)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 3, (64,), generator=torch.Generator().manual_seed(2))
+    result, t0 = {"error": "", "waited_s": 0.0}, time.monotonic()
+    try:
+        bal = hetero.Balance(global_batch=16, micro_batch=4, weighting="loss")
+        bal.replay({0: np.array([[4, 12]] * 4)})
+        ddp = DDP(_net())
+        bal.attach(ddp)
+        for micro in range(bal.micro_batches):
+            with bal.step():
+                loss = F.cross_entropy(ddp(x[4 * micro:4 * micro + 4]), y[4 * micro:4 * micro + 4])
+                t0 = time.monotonic()
+                loss.backward() if rank == 1 and micro == 0 else bal.backward(loss)
+    except hetero.HeteroError as e:
+        result.update(error=str(e), waited_s=time.monotonic() - t0)
+    _write(out, rank, result)
+
+
+def test_a_refusal_with_the_weight_on_the_loss_reaches_a_peer_inside_ddps_own_all_reduce(cases):
+    r = cases["loss_peer"]
+    assert r[1]["error"].startswith("hetero: a backward ran outside bal.backward(loss) in step 0 of epoch 0 on rank 1")
+    assert r[0]["error"] == r[1]["error"]                # the peer's line, not gloo's "Connection closed by peer"
+    assert r[0]["waited_s"] < 40                         # at rank 1's exit, not at the group's timeout (60 s)
+
+
 MANY = {  # name: (worker, its arguments); each case in the same two processes, with a process group of its own
     "limited": (_limited_worker, ()),
     "own_counts": (_nanogpt_worker, (0,)),  # before any refusal: it checks that every callback of the process is freed
@@ -332,6 +364,7 @@ MANY = {  # name: (worker, its arguments); each case in the same two processes, 
     "probe_fails": (_probe_worker, ("fails",)),
     "probe_shared": (_probe_worker, ("shared",)),
     "probe_cpu": (_probe_worker, ("cpu",)),
+    "loss_peer": (_loss_peer_worker, ()),  # last: rank 0 waits in DDP's all-reduce until rank 1's process exits
 }
 
 

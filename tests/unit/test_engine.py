@@ -4,7 +4,8 @@ door that can make the mistake, for rank r of a world of w, with no process grou
 The rig stands in for what attach installs on a DDP model, and drives the same engine calls DDP would:
 - the model has DDP's `no_sync()`; its forward pre-hook is `engine.count_forward`, as attach registers it;
 - a gradient hook on its parameter calls `engine.gradients_ready()` at a backward outside no_sync, where DDP's comm
-  hook (hook.py) calls it at the step's last bucket;
+  hook (hook.py) calls it at the step's last bucket; with weighting="loss" the real loss door (lossweight.py) is
+  installed instead, and the loop's backward is `bal.backward(loss)` (DDP's own all-reduce: nothing to stand in for);
 - the optimizer guard is the real one (guard.py), on a real SGD;
 - the gathers at a decision and at an epoch's end (agree.gather_rows) are faked: every rank's row is this one's.
 Doors: `with bal.step()` (the loader's batches), begin_step/end_step by hand, the Hugging Face Trainer's loop
@@ -27,10 +28,13 @@ import torch
 
 import hetero
 import hetero.core.agree
+import hetero.core.attach
 import hetero.core.engine
+import hetero.core.fsdp
 import hetero.core.plan
 from hetero.core.agree import HeteroError
 from hetero.core.guard import OptimizerGuard
+from hetero.core.lossweight import LossWeighting
 
 N, B, M = 32, 8, 2  # samples, global batch, micro-batch: 4 steps an epoch
 
@@ -42,18 +46,18 @@ class Net(torch.nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.lin = torch.nn.Linear(4, 1)
-        self.synced = True
+        self.synced = self.require_backward_grad_sync = True  # DDP's flag, which its no_sync clears
 
     def forward(self, x):
         return self.lin(x)
 
     @contextmanager
     def no_sync(self):
-        self.synced = False
+        self.synced = self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.synced = True
+            self.synced = self.require_backward_grad_sync = True
 
 
 class FakeFSDP:
@@ -105,7 +109,10 @@ class Rig:
             link.fsdp = FakeFSDP() if fsdp else None
             link.ds = FakeDoor() if ds else None
             self.model.register_forward_pre_hook(e.count_forward)
-            self.model.lin.weight.register_post_accumulate_grad_hook(self._ready)
+            if kw.get("weighting") == "loss":  # the real door: no comm hook to stand in for
+                link.loss = LossWeighting(e, self.model)
+            else:
+                self.model.lin.weight.register_post_accumulate_grad_hook(self._ready)
             self.guard = OptimizerGuard(e, self.model)
 
     def _ready(self, param) -> None:  # DDP's comm hook at the last bucket; FSDP2 reduce-scatters every backward
@@ -116,7 +123,8 @@ class Rig:
             s.bucket_back()
 
     def backward(self, n: int = M) -> None:
-        self.model(torch.ones(n, 4)).sum().backward()
+        """The loop's backward: `bal.backward(loss)` (with weighting="loss" it weighs the loss), or loss.backward()."""
+        self.bal.backward(self.model(torch.ones(n, 4)).sum())
 
     def next_batch(self) -> list[int]:
         """The loader's next batch (epoch 0's, its iterator kept across the doors' steps)."""
@@ -188,6 +196,7 @@ def door_fsdp(r: Rig, k: int | None = None) -> None:
 
 
 DOORS = {"step": door_step, "begin_end": door_begin_end, "hf": door_hf, "lightning": door_lightning}
+LOSS = {"micro_batch": M, "weighting": "loss"}  # the weight on the loss (lossweight.py): through both loop doors
 
 
 def _raises(fn, words: str) -> str:
@@ -217,6 +226,8 @@ CASES = [
     ("begin_end", {"micro_batch": M}, m_fewer, "all-reduced its gradients after"),
     ("hf", {"micro_batch": M}, m_fewer, "stepped its optimizer after"),
     ("lightning", {"micro_batch": M}, m_fewer, "lightning's batch end"),
+    ("begin_end", LOSS, m_more, "forwards in step 0 of epoch 0, where its count is"),
+    ("begin_end", LOSS, m_fewer, "all-reduced its gradients after"),  # refused before the backward's all-reduce
 ]
 
 
@@ -332,6 +343,45 @@ def _left_early(r: Rig, door) -> None:  # rank 1 ran 2 steps of the epoch, this 
     r.bal.set_epoch(1)
 
 
+def _bypassed(r: Rig, door) -> None:  # weighting="loss" and a plain loss.backward(): refused at the optimizer step
+    for _ in range(r.bal.micro_batches):
+        r.next_batch()
+        with r.bal.step():
+            r.model(torch.ones(M, 4)).sum().backward()
+    r.opt_step()
+
+
+def _bypassed_no_optimizer(r: Rig, door) -> None:  # ... and at the step's end, without an optimizer step
+    r.bal.set_epoch(0)
+    r.bal.begin_step()
+    r.model(torch.ones(M, 4)).sum().backward()
+    r.bal.end_step()
+
+
+def _loss_peer_failed(r: Rig, door) -> None:  # DDP's own all-reduce fails inside bal.backward: the peer's line
+    r.model.lin.bias.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("gloo: connection closed by peer")))
+    r.next_batch()
+    with r.bal.step():
+        r.engine.link.peer_failed = "hetero: rank 1 stopped: its own line"
+        r.backward()
+
+
+def _loss_in_bfloat16(r: Rig, door) -> None:  # a loss in a low precision would round the weight put on it
+    r.next_batch()
+    with r.bal.step():
+        r.bal.backward(r.model(torch.ones(M, 4)).sum().bfloat16())
+
+
+def _loss_on_fsdp(r: Rig, door) -> None:  # weighting="loss" on an FSDP2 root (its schedule stands in)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hetero.core.fsdp, "attach", lambda e, model: FakeFSDP())
+        hetero.core.attach.attach(r.engine, r.model, False)
+
+
+def _loss_nothing_trainable(r: Rig, door) -> None:
+    LossWeighting(r.engine, Net().requires_grad_(False))
+
+
 def _emulate_far(r: Rig, door) -> None:
     r.bal.emulate("5:delay=0.01")
 
@@ -361,6 +411,15 @@ SINGLE = [  # (id, rig settings, mistake, the line's words)
     ("rank_left_the_epoch_early", {"ran": [4.0, 2.0], "together": True}, _left_early,
      "rank 1 left epoch 0 after 2 steps, rank 0 ran 4"),
     ("emulated_rank_outside_the_world", {"attach": False}, _emulate_far, "hetero names rank 5, but the world has 2"),
+    ("loss_bypassed_at_the_optimizer_step", LOSS, _bypassed, "a backward ran outside bal.backward(loss) in step 0"),
+    ("loss_bypassed_at_the_step_end", {"weighting": "loss"}, _bypassed_no_optimizer,
+     "a backward ran outside bal.backward(loss) in step 0 of epoch 0 on rank 0"),
+    ("loss_peer_failed_in_backward", LOSS, _loss_peer_failed, "rank 1 stopped: its own line"),
+    ("loss_in_bfloat16", LOSS, _loss_in_bfloat16, "this loss is torch.bfloat16 (the weight rounded)"),
+    ("loss_sync_early", LOSS, _sync_early, "all-reduced its gradients after 1 of its 2 micro-batches"),
+    ("loss_nothing_trainable", {"weighting": "loss", "attach": False}, _loss_nothing_trainable,
+     "no parameter that requires grad"),
+    ("loss_on_fsdp", {"weighting": "loss", "attach": False}, _loss_on_fsdp, "weighting='loss' is for a DDP model"),
     ("no_token_counted", {"scheme": "edp", "collator": "padded", "loss_mean": "tokens", "loss_tokens": [0] * N},
      _by_hand, "step 0 of epoch 0 has no token its loss counts"),
 ]
@@ -401,9 +460,11 @@ def test_not_attached_in_a_world_of_peers_is_refused_at_every_door(monkeypatch):
 
 # -- negative controls: the same doors run right are refused nowhere, and run the schedule's counts ----------------
 @pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("door", [*DOORS, "fsdp"])
+@pytest.mark.parametrize("door", [*DOORS, "fsdp", "step_loss", "begin_end_loss"])
 def test_every_door_run_right_runs_the_epoch(monkeypatch, door, rank):
-    r = _rig(monkeypatch, {"micro_batch": M, "fsdp": door == "fsdp"}, rank)
+    by_loss = door.endswith("_loss")  # weighting="loss": bal.backward weighs the loss, DDP's own all-reduce
+    r = _rig(monkeypatch, {"micro_batch": M, "fsdp": door == "fsdp", "weighting": "loss" if by_loss else "hook"}, rank)
+    door = door.removesuffix("_loss")
     run = door_fsdp if door == "fsdp" else DOORS[door]
     counts = []
     for _ in range(N // B):
@@ -420,6 +481,13 @@ def test_every_door_run_right_runs_the_epoch(monkeypatch, door, rank):
 
 def test_a_step_weights_its_gradient_by_its_share(monkeypatch):
     """b_i/B without micro-batches, m/B with them, 1/world for an unweighted scheme (the hook multiplies by it)."""
+    for scheme in ("edp", "dp"):  # weighting="loss": the loss's gradient times w_i x world (DDP's mean undoes world)
+        r = _rig(monkeypatch, {"weighting": "loss", "scheme": scheme}, rank=1)
+        r.bal.set_epoch(0)
+        r.bal.begin_step()
+        w = r.engine.running().weight
+        r.backward(3)
+        assert torch.allclose(r.model.lin.bias.grad, torch.tensor([3.0 * w * 2]))  # d(sum)/d(bias) = 3 rows
     r = _rig(monkeypatch, {}, rank=1)
     r.bal.set_epoch(0)
     sizes = r.bal.begin_step()
@@ -470,12 +538,39 @@ BACKSTOPS = {
 
 
 def test_every_refusal_is_in_the_table():
-    """Every literal line engine.py and guard.py raise is raised by a case of the table (its placeholders filled);
-    fails on a refusal added without a case. The peer's line, raised as the peer wrote it, is the peer_failed
-    cases'. A refusal removed fails its own case above."""
-    sites = _refusals(CORE / "engine.py") + _refusals(CORE / "guard.py")
+    """Every literal line engine.py, guard.py and lossweight.py raise is raised by a case of the table (its
+    placeholders filled); fails on a refusal added without a case. The peer's line, raised as the peer wrote it, is
+    the peer_failed cases'. A refusal removed fails its own case above."""
+    sites = _refusals(CORE / "engine.py") + _refusals(CORE / "guard.py") + _refusals(CORE / "lossweight.py")
     assert len(sites) >= 16, sites
     lines = _lines()
     missing = [site for site in sites if not any(b in site for b in BACKSTOPS)
                if not any(re.fullmatch(re.escape(site).replace(r"\{\}", ".*"), line, re.S) for line in lines)]
     assert not missing, f"no case raises: {missing}"
+
+
+def test_a_collected_engine_retires_its_guard_without_breaking_an_optimizer_step(monkeypatch):
+    """An engine the garbage collector frees during an optimizer step (inside torch's loop over the global step
+    pre-hooks) leaves its hook in place, a no-op, until the next attach removes it: removing it there would break
+    the loop ("OrderedDict mutated during iteration")."""
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
+
+    import hetero.core.guard as guard
+
+    def collect(opt, args, kwargs):  # a hook that runs a collection inside the loop over the hooks
+        gc.collect()
+    handle = register_optimizer_step_pre_hook(collect)  # before the doomed engine's: the loop goes on after it
+    try:
+        before = len(_global_optimizer_pre_hooks)
+        doomed = _rig(monkeypatch, {"weighting": "loss"})  # (the hook rig's gradient hook on a tensor is never freed)
+        assert len(_global_optimizer_pre_hooks) == before + 1
+        del doomed
+        torch.optim.SGD(Net().parameters(), lr=0.1).step()    # the doomed engine is freed inside the loop
+        assert guard._retired and len(_global_optimizer_pre_hooks) == before + 1  # retired, not removed there
+    finally:
+        handle.remove()
+    retired = len(guard._retired)  # (with other engines freed by the same collection)
+    _rig(monkeypatch, {})                                       # the next attach removes the retired hooks
+    assert not guard._retired and len(_global_optimizer_pre_hooks) == before - 1 + 1 - retired + 1

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+_NAN = float("nan")
+
 
 class StepClock:
     """Marks inside one training step: start, gradients ready (local compute done), backward returned, end.
@@ -17,16 +19,16 @@ class StepClock:
     """
 
     def __init__(self, device: torch.device, event: Callable[[], object] | None = None):
-        self.cuda = device.type == "cuda" or event is not None
-        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.cuda = event is not None or device.type == "cuda"
+        self._event = event  # None: torch.cuda.Event (made once a step, on every step's path: nothing per clock)
         self.marks: dict[str, float | torch.cuda.Event] = {}
         self.device_waits = 0  # wait_device calls: the host waited for this rank's queued GPU work
         self.held_s = 0.0  # s in collectives before `ready` (FSDP2's per-module ones): waiting, moved out of compute
         self.cpu: dict[str, float] = {}  # this process's CPU time (all its threads) at start and end
-        self.started = float("nan")
+        self.started = _NAN
 
     def _record(self):
-        ev = self._event()
+        ev = self._event() if self._event is not None else torch.cuda.Event(enable_timing=True)
         ev.record()  # on the current stream: this rank's compute, not NCCL's streams
         return ev
 

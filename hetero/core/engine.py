@@ -18,8 +18,7 @@ checked once, here:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
@@ -223,8 +222,7 @@ class Engine:
         if first.grad is None:  # gradients cleared (zero_grad): a step skipped by a GradScaler is fine
             self.link.since_opt = 0
 
-    @contextmanager
-    def micro(self, batch_size: int | None = None, ends_step: bool = True) -> Iterator[None]:
+    def micro(self, batch_size: int | None = None, ends_step: bool = True) -> AbstractContextManager[None]:
         """One micro-batch (or the step's one batch): the one door every loop's batches run through (`with
         bal.step():`, Lightning's per-rank recipe, the HF Trainer's loop). It begins the step at its first batch
         unless the host began it (`bal.begin_step`), keeps all but the step's last micro-batch local (DDP's no_sync
@@ -242,44 +240,7 @@ class Engine:
             HeteroError: micro_batch before attach, a batch of another size than the schedule's, a micro-batch
                 beyond this rank's count, a peer's refusal (the backward's collective failed); `begin_step`'s.
         """
-        link, m = self.link, self.plan.settings.micro_batch
-        if m and link.model is None:  # on every rank alike, whatever its count
-            raise HeteroError("hetero: with micro_batch, attach the model first (bal.attach(ddp)): its no_sync "
-                              "keeps all but the step's last micro-batch local")
-        if self._step is None:  # the step's first batch
-            self.begin(from_loader=True)
-        s = self._step
-        want = m or int(s.sizes[s.rank])
-        if m and self.plan.settings.by_tokens:  # the rank's rows in micro-batches of at most m (and max_tokens)
-            want = len(self.plan.schedule.micro_at(s.epoch, s.index)[s.rank][s.expected - s.left])
-        if batch_size is not None and batch_size != want:
-            _stop(f"hetero: step {s.index} got {batch_size} samples, the schedule says {want}: is the loader this "
-                  f"Balance's sampler?")
-        if s.left <= 0:
-            _stop(f"hetero: rank {s.rank} ran a micro-batch beyond its {s.expected} in step {s.index} of epoch "
-                  f"{s.epoch}: run bal.micro_batches micro-batches per step")
-        link.sync_now = s.last_micro_batch
-        try:
-            if link.fsdp is not None:  # FSDP2: no no_sync; its own schedule (the same collectives on every rank)
-                link.fsdp.begin(first=s.left == s.expected, sync=link.sync_now)
-            if link.ds is not None:  # DeepSpeed: the step's backwards stay local until its door's finish
-                link.ds.begin(first=s.left == s.expected)
-            local = link.sync_now or link.fsdp is not None or link.ds is not None  # DDP's no_sync, or the door's own
-            with nullcontext() if local else link.model.no_sync():
-                yield
-            if link.ds is not None and link.sync_now:
-                link.ds.finished()  # the loop's engine.step() reduced and stepped
-        except HeteroError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a backward's collective failed: a peer's posted reason, if any
-            if (why := link.peer_failed or peer_error()) is not None:
-                raise HeteroError(why) from None
-            raise e
-        s.left -= 1
-        if not link.sync_now:
-            link.unsynced = True  # local gradients only, until the step's last micro-batch all-reduces
-        elif ends_step:
-            self.end()
+        return _Micro(self, batch_size, ends_step)
 
     def running(self, required: bool = True) -> Step | None:
         """The step running now, for a host that checks where its step is (Lightning's callback at a batch's end).
@@ -363,3 +324,74 @@ class Engine:
             refuse(f"hetero: rank {s.rank} ran {s.forwards} forward(s) and {s.syncs} gradient all-reduce(s) in step "
                    f"{s.index} of epoch {s.epoch}; it needs {s.expected} and 1: {hint}")
         return self.plan.end_step(s, link.coll)
+
+
+def _peer_line(link: Link, err: Exception) -> HeteroError | None:
+    """A backward's collective failed: the peer's posted line, if one stopped and said why (else None)."""
+    if isinstance(err, HeteroError) or not isinstance(err, Exception):
+        return None
+    why = link.peer_failed or peer_error()
+    return HeteroError(why) if why is not None else None
+
+
+class _Micro:
+    """`Engine.micro`'s context (a class, not a generator: a third of the cost, on every step's path; issue 51)."""
+    __slots__ = ("e", "batch_size", "ends_step", "s", "local")
+
+    def __init__(self, engine: Engine, batch_size: int | None, ends_step: bool):
+        self.e, self.batch_size, self.ends_step, self.local = engine, batch_size, ends_step, None
+
+    def __enter__(self) -> None:
+        e = self.e
+        link, m = e.link, e.plan.settings.micro_batch
+        if m and link.model is None:  # on every rank alike, whatever its count
+            raise HeteroError("hetero: with micro_batch, attach the model first (bal.attach(ddp)): its no_sync "
+                              "keeps all but the step's last micro-batch local")
+        if e._step is None:  # the step's first batch
+            e.begin(from_loader=True)
+        self.s = s = e._step
+        want = m or int(s.sizes[s.rank])
+        if m and e.plan.settings.by_tokens:  # the rank's rows in micro-batches of at most m (and max_tokens)
+            want = len(e.plan.schedule.micro_at(s.epoch, s.index)[s.rank][s.expected - s.left])
+        if self.batch_size is not None and self.batch_size != want:
+            _stop(f"hetero: step {s.index} got {self.batch_size} samples, the schedule says {want}: is the loader "
+                  f"this Balance's sampler?")
+        if s.left <= 0:
+            _stop(f"hetero: rank {s.rank} ran a micro-batch beyond its {s.expected} in step {s.index} of epoch "
+                  f"{s.epoch}: run bal.micro_batches micro-batches per step")
+        link.sync_now = s.last_micro_batch
+        try:
+            if link.fsdp is not None:  # FSDP2: no no_sync; its own schedule (the same collectives on every rank)
+                link.fsdp.begin(first=s.left == s.expected, sync=link.sync_now)
+            if link.ds is not None:  # DeepSpeed: the step's backwards stay local until its door's finish
+                link.ds.begin(first=s.left == s.expected)
+        except Exception as err:  # noqa: BLE001 - a collective failed: a peer's posted reason, if any
+            if (line := _peer_line(link, err)) is not None:
+                raise line from None
+            raise
+        if not (link.sync_now or link.fsdp is not None or link.ds is not None):  # DDP's no_sync, or the door's own
+            self.local = link.model.no_sync()
+            self.local.__enter__()
+
+    def __exit__(self, typ, err, tb) -> bool:
+        e, s = self.e, self.s
+        link = e.link
+        try:
+            if self.local is not None:
+                self.local.__exit__(typ, err, tb)
+            if typ is None and link.ds is not None and link.sync_now:
+                link.ds.finished()  # the loop's engine.step() reduced and stepped
+        except Exception as late:  # noqa: BLE001 - the door's reduction failed: a peer's posted reason, if any
+            if (line := _peer_line(link, late)) is not None:
+                raise line from None
+            raise
+        if typ is not None:  # the micro-batch failed: a backward's collective, because a peer stopped and said why?
+            if (line := _peer_line(link, err)) is not None:
+                raise line from None
+            return False
+        s.left -= 1
+        if not link.sync_now:
+            link.unsynced = True  # local gradients only, until the step's last micro-batch all-reduces
+        elif self.ends_step:
+            e.end()
+        return False

@@ -34,14 +34,18 @@ class OptimizerGuard:
         self._engine = weakref.ref(engine)
         self._params = {id(p) for p in model.parameters()}
         self._owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> steps the model?
+        self._last: tuple = (None, False)  # the last optimizer asked about (weakly) and its answer: once a step
         check = weakref.WeakMethod(self._before_step)
         handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: (c := check()) and c(opt))
         weakref.finalize(engine, _retired.append, handle)
 
     def _before_step(self, opt: torch.optim.Optimizer) -> None:
-        owns = self._owns.get(opt)
-        if owns is None:
-            owns = self._owns[opt] = any(id(p) in self._params for g in opt.param_groups for p in g["params"])
+        last, owns = self._last
+        if last is None or last() is not opt:
+            owns = self._owns.get(opt)
+            if owns is None:
+                owns = self._owns[opt] = any(id(p) in self._params for g in opt.param_groups for p in g["params"])
+            self._last = (weakref.ref(opt), owns)
         e = self._engine()
         if not owns or e is None:
             return

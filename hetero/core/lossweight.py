@@ -82,7 +82,8 @@ class LossWeighting:
         no_sync) is counted and checked first and ends the all-reduce's wait. kwargs: Tensor.backward's."""
         e = self.engine
         s = e.running()
-        self.check(s)
+        if self.stray:
+            self.check(s)
         sync = self.model.require_backward_grad_sync
         if sync:
             e.gradients_ready(ready=False)
@@ -90,7 +91,7 @@ class LossWeighting:
             refuse(f"hetero: weighting='loss' puts the weight on the loss, in its dtype, and this loss is {loss.dtype} "
                    f"(the weight rounded): compute the loss in float32 (loss.float()), or leave weighting='hook'")
         # the backward from w_i x n (not from 1): no multiplication in the graph, the weight as the root's gradient
-        k, grad = s.weight * self.factor, kwargs.pop("gradient", None)
+        k, grad = s.weight * self.factor, kwargs.pop("gradient", None) if kwargs else None
         grad = torch.full_like(loss, k) if grad is None and loss.numel() == 1 else grad if grad is None else grad * k
         self.weighing, self.syncing, self.marked = True, sync, False
         try:

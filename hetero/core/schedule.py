@@ -236,11 +236,12 @@ class SizeSchedule:
         return first
 
     def ended(self, pos: int) -> None:
-        """The step at pos ended: the sizes fixed up to it are no longer needed (steps end in order, so only pos's
-        go, unless a position before it was asked for since: then every one up to pos)."""
+        """The step at pos ended: the sizes fixed for it are no longer needed. Steps end in order, and positions are
+        fixed in order, so that is pos's alone; a position before it fixed since (sizes_at on a past step) goes once
+        it is the oldest left (O(1) a step, where a sweep of every position would be O(the steps fixed ahead))."""
         for d in (self.planned, self.rows, self.micro):
             d.pop(pos, None)
-            if d and min(d) < pos:
+            if d and next(iter(d)) < pos:
                 for p in [p for p in d if p < pos]:
                     del d[p]
 

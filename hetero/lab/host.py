@@ -5,8 +5,10 @@ Per door (DDP through `with bal.step()`, FSDP2 through `with bal.step()`), the s
 processes, with hetero and without (plain DDP / plain FSDP2 over a DistributedSampler), taking turns step by step
 (which goes first alternates), so load from elsewhere falls on both alike. Each step is timed from fetching its
 batch to the optimizer's zero_grad, in wall time (perf_counter) and in the process's CPU time (process_time: every
-thread, gloo's and hetero's peer watcher included). The added time per step is hetero's median less plain's, and
-the same for the fastest decile (10th percentile), which load from elsewhere moves least.
+thread, gloo's and hetero's peer watcher included) and the main thread's own (thread_time: hetero's Python, without
+the other threads, which on a 2-core host contend with the ranks' main threads while they wait in the all-reduce).
+The added time per step is hetero's median less plain's, and the same for the fastest decile (10th percentile),
+which load from elsewhere moves least.
 
 Then a third loop with hetero, run alone, is timed by phase: each of hetero's calls on the step's path is wrapped in
 a timer for that loop only (nothing is timed in the library itself, so the timers cost nothing when off):
@@ -241,28 +243,29 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
             loader.sampler.set_epoch(epoch)
         return iter(loader)
 
-    def one(lp, it) -> tuple[float, float]:
+    def one(lp, it) -> tuple[float, float, float]:
         m, opt, bal, _, backward = lp
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         x, y = next(it)
         with bal.step() if bal is not None else nullcontext():
             backward(F.cross_entropy(m(x), y))
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0, time.process_time() - c0
+        return time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
 
     res: dict = {"steps": steps, "world": world, "per_rank": PER_RANK, "rebalance_every": REBALANCE_EVERY}
     for door in ("ddp", "fsdp"):
         loops = {k: loop(door, k) for k in KINDS[door]}
-        times = {k: {"wall_s": [], "cpu_s": []} for k in loops}
+        times = {k: {"wall_s": [], "cpu_s": [], "main_s": []} for k in loops}
         for epoch in range(2):  # the first epoch warms up
             its = {k: start(lp, epoch) for k, lp in loops.items()}
             for step in range(steps):
                 for k in (list(loops) if step % 2 else list(loops)[::-1]):
-                    wall, cpu = one(loops[k], its[k])
+                    wall, cpu, main = one(loops[k], its[k])
                     if epoch:
                         times[k]["wall_s"].append(wall)
                         times[k]["cpu_s"].append(cpu)
+                        times[k]["main_s"].append(main)
         for kind in (k for k in loops if k.startswith("hetero")):
             phases = Phases()
             undo = _instrument(phases)  # before attach: the hook and the bound pre-hooks are the wrapped ones
@@ -274,7 +277,7 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
                     if epoch:
                         phases.total = {p: 0.0 for p in PHASES}
                     for _ in range(steps):
-                        wall, cpu = one(lp, it)
+                        wall, cpu, _ = one(lp, it)
                         t0 = time.perf_counter()
                         lp[2].metrics()
                         phases.total["metrics"] += time.perf_counter() - t0
@@ -312,7 +315,9 @@ def summary(d: dict) -> dict:
         if door not in d:
             continue
         r, row = d[door], {}
-        for clock in ("wall_s", "cpu_s"):
+        for clock in ("wall_s", "cpu_s", "main_s"):
+            if clock not in r["plain"]:  # the HF door: no main-thread clock
+                continue
             c = clock[:-2]
             row[f"plain_{c}_us"] = 1e6 * float(np.median(r["plain"][clock]))
             row[f"added_{c}_us"], row[f"added_{c}_p10_us"] = _added(r, "hetero", "plain", clock)
@@ -377,16 +382,17 @@ def section(summ: dict) -> list[str]:
              f"in turn{hf}; µs per step, hetero less plain)", ""]
     f = lambda v: f"{v:+.0f}" if v is not None else ""  # noqa: E731
     lines += markdown_table(
-        ["door", "plain step (wall / CPU)", "added wall, median", "added CPU, median", "fastest decile (wall / CPU)",
-         "added CPU, mean", "torch's Python hook (CPU)", "beyond it (CPU)"],
-        [[d, f"{summ[d]['plain_wall_us']:.0f} / {summ[d]['plain_cpu_us']:.0f}", f(summ[d]["added_wall_us"]),
-          f(summ[d]["added_cpu_us"]), f"{f(summ[d]['added_wall_p10_us'])} / {f(summ[d]['added_cpu_p10_us'])}",
+        ["door", "plain step (wall / CPU)", "added wall, median", "added CPU, median", "added main-thread CPU, median",
+         "fastest decile (wall / CPU)", "added CPU, mean", "torch's Python hook (CPU)", "beyond it (CPU)"],
+        [[LABELS[d], f"{summ[d]['plain_wall_us']:.0f} / {summ[d]['plain_cpu_us']:.0f}", f(summ[d]["added_wall_us"]),
+          f(summ[d]["added_cpu_us"]), f(summ[d].get("added_main_us")),
+          f"{f(summ[d]['added_wall_p10_us'])} / {f(summ[d]['added_cpu_p10_us'])}",
           f(summ[d]["added_cpu_mean_us"]), f(summ[d].get("hook_floor_cpu_us")),
           f(summ[d].get("beyond_hook_cpu_us"))] for d in doors]) + [""]
     lines += ["By phase (main thread, µs per step; decisions every "
               f"{REBALANCE_EVERY} steps, per step; metrics: one bal.metrics() call, not in the step):", ""]
-    lines += markdown_table(["door", *PHASES], [[d, *(f"{summ[d]['phases_us'].get(p, 0.0):.1f}" for p in PHASES)]
-                                                for d in doors]) + [""]
+    lines += markdown_table(["door", *PHASES], [[LABELS[d], *(f"{summ[d]['phases_us'].get(p, 0.0):.1f}"
+                                                              for p in PHASES)] for d in doors]) + [""]
     return lines
 
 

@@ -207,12 +207,13 @@ def test_the_target_band_is_the_sizes_within_the_misallocation_target_and_the_dr
 
 def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
     """The host part's summary from constructed per-step times: hetero less plain at the median and the fastest
-    decile, in wall and CPU time; torch's own Python hook as the floor; the mean over every step (a decision's
-    steps included); the phases per step. Its table and figure are written from that summary."""
+    decile, in wall, CPU and main-thread CPU time; torch's own Python hook as the floor; the mean over every step (a
+    decision's steps included); the phases per step; the loss-weighting row against plain DDP. Its table and figure
+    are written from that summary."""
     from hetero.lab import host
 
     steps = np.arange(100.0)
-    plain = {"wall_s": (1000 + steps) * 1e-6, "cpu_s": (800 + steps) * 1e-6}
+    plain = {"wall_s": (1000 + steps) * 1e-6, "cpu_s": (800 + steps) * 1e-6, "main_s": (500 + steps) * 1e-6}
     hook = {k: v + 60e-6 for k, v in plain.items()}
     het = {k: v + 150e-6 for k, v in plain.items()}
     het["cpu_s"] = het["cpu_s"].copy()
@@ -221,10 +222,13 @@ def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
     raw = {"ddp": {"plain": {k: v.tolist() for k, v in plain.items()},
                    "torch_hook": {k: v.tolist() for k, v in hook.items()},
                    "hetero": {k: v.tolist() for k, v in het.items()}, "phases_s": phases},
+           "ddp_loss": {"plain": {k: v.tolist() for k, v in plain.items()},
+                        "hetero": {k: (v + 90e-6).tolist() for k, v in plain.items()}, "phases_s": phases},
            "fsdp": {"plain": {k: v.tolist() for k, v in plain.items()},
                     "hetero": {k: (v + 40e-6).tolist() for k, v in plain.items()}, "phases_s": phases}}
     s = host.summary(raw)
-    ddp, fsdp = s["ddp"], s["fsdp"]
+    ddp, fsdp, loss = s["ddp"], s["fsdp"], s["ddp_loss"]
+    assert loss["added_main_us"] == pytest.approx(90) and "hook_floor_cpu_us" not in loss
     assert ddp["added_wall_us"] == pytest.approx(150) and ddp["added_wall_p10_us"] == pytest.approx(150)
     assert ddp["added_cpu_us"] == pytest.approx(150, abs=10)  # the decisions' tenth of the steps shifts it a little
     assert ddp["added_cpu_mean_us"] == pytest.approx(250)
@@ -232,7 +236,7 @@ def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
     assert fsdp["added_cpu_us"] == pytest.approx(40) and "hook_floor_cpu_us" not in fsdp
     assert ddp["phases_us"]["hook"] == pytest.approx(1.0)
     text = "\n".join(host.section({**s, "steps": 100}))
-    assert "| ddp | 1050 / 850 | +150 |" in text and "| fsdp |" in text
+    assert "| DDP | 1050 / 850 | +150 |" in text and "| FSDP2 |" in text and "| DDP, weighting='loss' |" in text
     assert host.figure(s, tmp_path / "host.png") == tmp_path / "host.png" and (tmp_path / "host.png").stat().st_size
     assert host.figure({}, tmp_path / "none.png") is None
 

@@ -563,14 +563,14 @@ def test_a_collected_engine_retires_its_guard_without_breaking_an_optimizer_step
         gc.collect()
     handle = register_optimizer_step_pre_hook(collect)  # before the doomed engine's: the loop goes on after it
     try:
-        before = len(_global_optimizer_pre_hooks)
         doomed = _rig(monkeypatch, {"weighting": "loss"})  # (the hook rig's gradient hook on a tensor is never freed)
-        assert len(_global_optimizer_pre_hooks) == before + 1
+        hooks = len(_global_optimizer_pre_hooks)  # its own included; earlier retired ones removed by its attach
+        assert not getattr(guard, "_retired", [])  # (before the fix there was no list: the step below raised)
         del doomed
         torch.optim.SGD(Net().parameters(), lr=0.1).step()    # the doomed engine is freed inside the loop
-        assert guard._retired and len(_global_optimizer_pre_hooks) == before + 1  # retired, not removed there
+        assert guard._retired and len(_global_optimizer_pre_hooks) == hooks  # retired, not removed there
     finally:
         handle.remove()
     retired = len(guard._retired)  # (with other engines freed by the same collection)
     _rig(monkeypatch, {})                                       # the next attach removes the retired hooks
-    assert not guard._retired and len(_global_optimizer_pre_hooks) == before - 1 + 1 - retired + 1
+    assert not guard._retired and len(_global_optimizer_pre_hooks) == hooks - 1 - retired + 1

@@ -330,6 +330,7 @@ def summary(d: dict) -> dict:
     return out
 
 
+FLOOR_US = -150  # the figure's left edge: a noisier (negative) difference is drawn to it, its value written
 STEP_PHASES = ("sampler", "begin", "ready", "hook", "guard", "end", "decision")  # on the step's path (not metrics)
 
 
@@ -343,7 +344,7 @@ def figure(summ: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8.2, 1.2 + 1.3 * len(doors)), dpi=120)
+    fig, ax = plt.subplots(figsize=(8.6, 1.2 + 1.5 * len(doors)), dpi=120)
     ys = np.arange(len(doors)) * 2.0
     for y, door in zip(ys, doors):
         left, ph = 0.0, summ[door]["phases_us"]
@@ -353,13 +354,19 @@ def figure(summ: dict, path: Path) -> Path | None:
             left += v
         row = summ[door]
         measured = [("added CPU (median)", row["added_cpu_us"], "k"),
+                    ("added main-thread CPU (median)", row.get("added_main_us", 0.0), "navy"),
                     ("added wall (median)", row["added_wall_us"], "0.45"),
                     ("added CPU (mean)", row["added_cpu_mean_us"], "0.75")]
         if "hook_floor_cpu_us" in row:
             measured.append(("torch's Python hook, CPU", row["hook_floor_cpu_us"], "tab:cyan"))
         for j, (label, v, colour) in enumerate(measured):
-            ax.barh(y - 0.25 - 0.22 * j, v, height=0.2, color=colour, label=label if y == ys[0] else None)
+            at = y - 0.2 - 0.2 * j  # a run's noise can make a difference negative: drawn to FLOOR_US, its value written
+            ax.barh(at, max(v, FLOOR_US), height=0.18, color=colour, label=label if y == ys[0] else None)
+            if v < FLOOR_US:
+                ax.text(FLOOR_US + 5, at, f"{v:+.0f}", va="center", fontsize=6,
+                        bbox={"facecolor": "w", "lw": 0, "pad": 0.3})
     ax.axvline(100, color="tab:red", ls="--", lw=0.8)
+    ax.set_xlim(left=FLOOR_US - 10)
     ax.set_yticks(ys, [LABELS[d] for d in doors])
     ax.invert_yaxis()
     ax.set_xlabel("µs per step (2 gloo ranks; DDP, FSDP2: Linear(8, 8), 4 samples per rank; HF: a tiny GPT-2)")

@@ -40,8 +40,10 @@ _GROUP = re.compile(r"^r(\d+)-p(\d+)$", re.ASCII)
 # The busy neighbour: spins until its parent (the rank) is gone, so a SIGKILLed rank leaves no spinner behind.
 BUSY = "import os\np = os.getppid()\nwhile os.getppid() == p:\n    pass\n"
 # The group's watcher: waits, asleep, for its parent (the rank) to end however it ends (a SIGKILL of torchrun's agent
-# kills the rank by PR_SET_PDEATHSIG, so no teardown of its own runs), then removes the group once it is empty (the
-# rank's own children may outlive it a moment). argv: the rank's pid, the group's folder.
+# kills the rank by PR_SET_PDEATHSIG, so no teardown of its own runs), then removes the group once it is empty. The
+# rank's own children may outlive it a moment; any still in the group after ORPHANS_S are its orphans (a process the
+# rank started that its death does not end) and are killed, so the group goes and nothing is left behind. The
+# watcher itself is not in the group (it starts before the rank moves in). argv: the rank's pid, the group's folder.
 WATCH = """import errno, os, select, sys, time
 rank, group = int(sys.argv[1]), sys.argv[2]
 try:
@@ -51,16 +53,26 @@ try:
 except OSError:  # no pidfd (Linux < 5.3): poll
     while os.getppid() == rank:
         time.sleep(0.2)
-end = time.monotonic() + 60
-while time.monotonic() < end:
+start = time.monotonic()
+while time.monotonic() < start + 60:
     try:
         os.rmdir(group)
         break
     except OSError as e:
         if e.errno == errno.ENOENT:
             break
-        time.sleep(0.1)
-"""
+    if time.monotonic() > start + ORPHANS_S:
+        try:
+            with open(os.path.join(group, 'cgroup.procs')) as procs:
+                for pid in procs.read().split():
+                    try:
+                        os.kill(int(pid), 9)
+                    except OSError:
+                        pass
+        except OSError:
+            pass
+    time.sleep(0.1)
+""".replace("ORPHANS_S", "2.0")
 
 
 class StragglerError(RuntimeError):

@@ -83,16 +83,18 @@ def test_bench_quickest(tmp_path):
     assert 0 < run["notice"] <= run["rendezvous"] <= run["start"] <= run["first_step"] and run["import_s"] > 0
     assert "Recovery under torchrun" in (out / "table.md").read_text()
     hs = res["host"]  # the host part: every door's added µs per step, and hetero's phases (all measured, finite)
-    assert hs["steps"] == 40 and set(hs) == {"steps", "hf_steps", "ddp", "fsdp", *["hf"] * hf}
+    assert hs["steps"] == 40 and set(hs) == {"steps", "hf_steps", "ddp", "ddp_loss", "fsdp", *["hf"] * hf}
     assert hs["hf_steps"] == (6 if hf else 0)  # the HF Trainer's door: 1 run of each kind of max(40 // 10, 6) steps
     if hf:
         assert math.isfinite(hs["hf"]["added_cpu_us"]) and hs["hf"]["phases_us"]["begin"] > 0
-    assert all(math.isfinite(hs[d][k]) for d in ("ddp", "fsdp") for k in ("added_cpu_us", "added_wall_p10_us",
-                                                                           "plain_cpu_us", "added_cpu_mean_us"))
+    assert all(math.isfinite(hs[d][k]) for d in ("ddp", "ddp_loss", "fsdp")
+               for k in ("added_cpu_us", "added_main_us", "added_wall_p10_us", "plain_cpu_us", "added_cpu_mean_us"))
     assert math.isfinite(hs["ddp"]["hook_floor_cpu_us"]) and hs["ddp"]["plain_cpu_us"] > 0
     ph = hs["ddp"]["phases_us"]
     assert ph["begin"] > 0 and ph["hook"] > 0 and ph["end"] > 0 and ph["sampler"] > 0 and ph["metrics"] > 0
     assert hs["fsdp"]["phases_us"]["collective"] > 0 and (out / "host_breakdown.png").stat().st_size > 0
+    lp = hs["ddp_loss"]["phases_us"]  # the loss door: its own Python, the backward apart, no collective of hetero's
+    assert lp["hook"] > 0 and lp["ready"] > 0 and lp["backward"] > 0 and lp["collective"] == 0
     assert "Host time per step" in (out / "table.md").read_text()
     assert {c["target"].split()[0] for c in res["checks"]} == {"dp/edp", "simulated", "trainer", "api", "lost",
                                                                "metrics(bal)", "host", *["hf"] * hf}

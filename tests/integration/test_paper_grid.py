@@ -59,4 +59,7 @@ def test_a_run_with_the_paper_grid_s_settings_follows_the_paper_s_rule_every_epo
         got = after.batch_size.to_numpy()
         assert got.tolist() == want.tolist(), (before, after)
         moved += not np.array_equal(got, before.batch_size.to_numpy())
-    assert moved == len(epochs) - 1  # the slow rank's share fell at each epoch: the rule was exercised
+    # the rule was exercised: the first decision moved the sizes away from the even split (rank 1 is 3x slower);
+    # later ones may keep them, when the split already matches the measured speeds (whether they move again is the
+    # host's noise, not the rule)
+    assert moved >= 1 and epochs[1].batch_size.to_numpy()[1] < B // 2

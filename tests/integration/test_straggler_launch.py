@@ -129,6 +129,36 @@ def test_a_rank_killed_as_soon_as_its_group_exists_leaves_no_group(group):
     assert _gone(path), "the group of a rank killed in its set-up was left behind"
 
 
+# A rank that starts a process its death does not end (in its own session, as a fork server or a compile worker may
+# be), then is SIGKILLed: the orphan is in the rank's group, so the group could never be removed.
+ORPHAN = """import subprocess, sys, time
+from hetero.trainer import straggler
+out = straggler.setup(sys.argv[1], rank=1)
+orphan = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], start_new_session=True)
+print(out.group.path, orphan.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_killed_ranks_orphan_is_killed_and_its_group_removed(group):
+    """What a fresh-clone .ci/run left on 2026-12-06 (the agent's SIGKILL in set-up under load): a process of the
+    rank's that outlived it kept the group busy. The watcher kills what is still in the group ORPHANS_S after the
+    rank's death, then removes the group."""
+    env = {**clean_env(), straggler.ENV_CGROUP: str(group)}
+    p = subprocess.Popen([sys.executable, "-c", ORPHAN, "1:quota=0.5"], env=env, stdout=subprocess.PIPE, text=True)
+    path, orphan = p.stdout.readline().split()
+    path, orphan = Path(path), int(orphan)
+    try:
+        assert str(orphan) in (path / "cgroup.procs").read_text().split()  # the orphan is in the rank's group
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        assert _gone(path, 30), "the group of a rank whose orphan lived on was left behind"
+        assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+
+
 def _trainer_pids(agent: int) -> list[int]:
     return [c.pid for c in psutil.Process(agent).children(recursive=True)
             if "hetero.trainer" in " ".join(c.cmdline())]

@@ -37,10 +37,20 @@ def _as_bounds(n: int, bound: int | np.ndarray | None, default: float) -> np.nda
 def check_feasible(n: int, global_batch: int, min_batch, max_batch=None, granularity: int = 1) -> None:
     """Raise ValueError unless n ranks can split global_batch within the bounds, in multiples of granularity."""
     lo, hi = _as_bounds(n, min_batch, 0), _as_bounds(n, max_batch, np.inf)
+    if granularity > 1:
+        _check_bounds(lo, hi, None, min_batch, max_batch)
+        _in_units(n, global_batch, min_batch, max_batch, granularity)
+        return
+    _check_bounds(lo, hi, global_batch, min_batch, max_batch)
+
+
+def _check_bounds(lo: np.ndarray, hi: np.ndarray, global_batch: int | None, min_batch, max_batch) -> None:
+    """check_feasible on bounds already made (batch_sizes makes them once per call; issue 51); global_batch None:
+    the bounds alone."""
+    n = len(lo)
     if np.any(lo < 0) or np.any(hi < lo):
         raise ValueError(f"batch bounds must satisfy 0 <= min_batch <= max_batch (got {min_batch}, {max_batch})")
-    if granularity > 1:
-        _in_units(n, global_batch, min_batch, max_batch, granularity)
+    if global_batch is None:
         return
     if lo.sum() > global_batch:
         raise ValueError(f"global batch {global_batch} is smaller than {n} ranks x min batch ({int(lo.sum())})")
@@ -77,10 +87,10 @@ def batch_sizes(shares, global_batch: int, min_batch=1, max_batch=None, granular
     if granularity > 1:
         units, lo, hi = _in_units(n, global_batch, min_batch, max_batch, granularity)
         return granularity * batch_sizes(s, units, lo, hi)
-    check_feasible(n, global_batch, min_batch, max_batch)
-    if np.any(~np.isfinite(s)) or np.any(s < 0) or s.sum() <= 0:
-        raise ValueError(f"shares must be finite, non-negative and not all zero (got {s.tolist()})")
     lo, hi = _as_bounds(n, min_batch, 0), _as_bounds(n, max_batch, np.inf)
+    _check_bounds(lo, hi, global_batch, min_batch, max_batch)
+    if not (np.isfinite(s).all() and (s >= 0).all() and s.sum() > 0):
+        raise ValueError(f"shares must be finite, non-negative and not all zero (got {s.tolist()})")
     x = _water_fill(s, global_batch, lo, np.minimum(hi, global_batch))
     # Largest-remainder rounding keeps the sum exact and every size within its bounds.
     b = np.clip(np.floor(x + 1e-9), lo, hi).astype(np.int64)
@@ -97,6 +107,9 @@ def batch_sizes(shares, global_batch: int, min_batch=1, max_batch=None, granular
     return b
 
 
+SMALL_FILL = 4096  # _water_fill sums every kink at once while kinks x ranks is at most this (else it bisects)
+
+
 def _water_fill(w: np.ndarray, total: float, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Real sizes clip(lam*w, lo, hi) summing to total; zero-weight ranks take lo, or what the others cannot."""
     pos = w > 0
@@ -109,16 +122,22 @@ def _water_fill(w: np.ndarray, total: float, lo: np.ndarray, hi: np.ndarray) -> 
     # sums, not a bisection on lam to rounding error: a decision's cost, issue 51), then solve it on that line
     fill = lambda lam: float(np.clip(lam * w, lo, hi).sum())  # noqa: E731
     kinks = np.unique(np.concatenate([[0.0], lo[pos] / w[pos], hi[pos] / w[pos]]))
-    a, b = 0, len(kinks) - 1
-    if fill(kinks[0]) >= total:
-        b = 0
-    while b - a > 1:
-        mid = (a + b) // 2
-        if fill(kinks[mid]) < total:
-            a = mid
-        else:
-            b = mid
-    fa, fb = fill(kinks[a]), fill(kinks[b])
+    if len(kinks) * len(w) <= SMALL_FILL:  # every kink's sum at once (a few ranks): the same sums, one numpy call
+        fills = np.clip(kinks[:, None] * w, lo, hi).sum(1)
+        b = int(np.argmax(fills >= total)) if fills[-1] >= total else len(kinks) - 1
+        a = max(b - 1, 0)
+        fa, fb = float(fills[a]), float(fills[b])
+    else:
+        a, b = 0, len(kinks) - 1
+        if fill(kinks[0]) >= total:
+            b = 0
+        while b - a > 1:
+            mid = (a + b) // 2
+            if fill(kinks[mid]) < total:
+                a = mid
+            else:
+                b = mid
+        fa, fb = fill(kinks[a]), fill(kinks[b])
     lam_hi = kinks[b] if not fb > fa else kinks[a] + (total - fa) * (kinks[b] - kinks[a]) / (fb - fa)
     x = np.clip(lam_hi * w, lo, hi)
     free = pos & (x > lo) & (x < hi)
@@ -153,8 +172,9 @@ def window_stats(batch, step_s) -> np.ndarray:
     every = ok.all()
     if not every:
         b, t = np.where(ok, b, 0.0), np.where(ok, t, np.inf)
-    # Median and MAD of at most 17 spread-out steps: plenty for a threshold, and cheap for 4096 ranks.
-    rows = t[np.unique(np.linspace(0, len(t) - 1, min(len(t), 17)).astype(int))] if len(t) else t
+    # Median and MAD of at most 17 spread-out steps: plenty for a threshold, and cheap for 4096 ranks (a window of
+    # at most 17 steps is all of them: no index arithmetic, on a decision's path; issue 51)
+    rows = t if len(t) <= 17 else t[np.unique(np.linspace(0, len(t) - 1, 17).astype(int))]
     k = (len(rows) - 1) // 2
     tc = t
     if len(rows):

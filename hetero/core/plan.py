@@ -148,8 +148,8 @@ class Plan:
         it included); NaN with fewer than two steps."""
         starts = [r.started_s for r in self._records[max(self._window - 1, 0):] if r is not self._cold] if window \
             else []
-        gaps = np.diff(starts)
-        return float(np.mean(gaps)) if len(gaps) else float("nan")
+        # the mean gap is the span over the gaps (no numpy round trip on a decision's path; issue 51)
+        return (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else float("nan")
 
     def _fold(self, coll: torch.device) -> None:
         """Collective: the window's steps into the balancer's observations (the next decision sees the same sums)."""

@@ -259,7 +259,7 @@ class SizeSchedule:
                               f"lag={lag}: set lag >= num_workers x prefetch_factor (+1 for Lightning), or None")
         self.regimes = [r for i, r in enumerate(self.regimes)  # regimes no position after pos can use go
                         if i + 1 == len(self.regimes) or self.regimes[i + 1][0] > pos]
-        self.regimes.append((at, copy.deepcopy(self._live)))
+        self.regimes.append((at, self._live.snapshot()))
         return at
 
     def regimes_state(self, here: int) -> list:

@@ -23,6 +23,7 @@ every case tried; packed: within 15%) and against the fluid lower bound on steps
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 import numbers
 from dataclasses import dataclass
@@ -395,6 +396,11 @@ class CostModel:
         ok = seen & np.isfinite(a) & np.isfinite(c) & (c > 0)
         self.fixed_s = np.where(ok, np.maximum(a, 0.0), self.fixed_s)
         self.per_unit_s = np.where(ok, c, self.per_unit_s)
+
+    def snapshot(self) -> CostModel:
+        """A copy that this model's later fits leave as it is (a regime, schedule.adopt): every change rebinds its
+        arrays and its list of windows, never writes into them."""
+        return copy.copy(self)
 
     def coefficients(self) -> tuple[np.ndarray, np.ndarray]:
         return self.fixed_s.copy(), self.per_unit_s.copy()

@@ -51,6 +51,28 @@ def test_water_fill_solves_on_its_kinks_what_bisection_finds():
         assert np.allclose(x, _bisected(w, total, lo, hi), rtol=1e-6, atol=1e-6), (w, total, lo, hi)
 
 
+def test_water_fill_sums_every_kink_at_once_to_the_bits_of_its_bisection(monkeypatch):
+    """A few ranks' kinks are summed in one numpy call (issue 51: a decision's cost): the same split, bit for bit, as
+    the bisection over them that larger worlds keep."""
+    from hetero.core import partition
+
+    rng = np.random.default_rng(2)
+    cases = []
+    for _ in range(2000):
+        n = int(rng.integers(1, 40))
+        w = rng.random(n) * (rng.random(n) > 0.2)
+        w[0] = w[0] or 0.5
+        lo = rng.integers(0, 3, n).astype(float)
+        hi = np.where(rng.random(n) < 0.5, rng.integers(3, 200, n), 1e9).astype(float)
+        total = float(rng.choice([rng.uniform(lo.sum(), min(hi[w > 0].sum() + lo[w == 0].sum(), 2000)),
+                                  int(lo.sum()) + 1]))  # a whole total, where a kink's sum can equal it exactly
+        cases.append((w, total, lo, np.minimum(hi, total)))
+    at_once = [partition._water_fill(*c) for c in cases]
+    monkeypatch.setattr(partition, "SMALL_FILL", 0)
+    for c, x in zip(cases, at_once):
+        assert partition._water_fill(*c).tobytes() == x.tobytes(), c
+
+
 def test_batch_sizes_exact_cases():
     assert batch_sizes([0.5, 0.5], 256).tolist() == [128, 128]
     assert batch_sizes([1, 1, 1], 250).sum() == 250          # 250 and 100 broke the first implementation
@@ -134,3 +156,43 @@ def test_the_even_split_a_decision_is_read_against_follows_the_bounds():
     assert even == pytest.approx(0.15)  # 50/50 at rank 1's 3 ms a sample
     b.bound([80, 30])  # rank 1 now holds at most 30: the even split within bounds is 70/30
     assert b.predicted()[1] == pytest.approx(max(70 * 0.001, 30 * 0.003))
+
+
+@pytest.mark.parametrize("rule", ["proportional", "affine"])
+def test_a_regimes_snapshot_keeps_its_state_while_the_live_balancer_decides_on(rule):
+    """schedule.adopt keeps a snapshot of the live balancer as a regime (a shallow copy: issue 51, a deepcopy cost a
+    decision 80 µs): the live one's later observations and decisions leave the regime's sizes and state as they
+    were, and the copy is whole (its state is the live one's at the time)."""
+    import json
+
+    from hetero.core.tokens import CostModel
+
+    rng = np.random.default_rng(3)
+    live = Balancer(rule, 3, 60, deadband=0.0, significance=0.0, windows_kept=3)
+
+    def window(b):
+        sizes = np.array([b.sizes_for_step(i) for i in range(8)])
+        return sizes, sizes * np.array([1.0, 2.0, 3.0]) * 1e-3 * (1 + 0.1 * rng.random(sizes.shape))
+
+    for _ in range(2):
+        live.observe(*window(live))
+        live.decide()
+    live.observe(*window(live))  # pending observations, shared by a copy that does not copy its lists
+    frozen = live.snapshot()
+    before = json.dumps(frozen.state_dict())
+    assert before == json.dumps(live.state_dict())
+    sizes = [frozen.sizes_for_step(i).tolist() for i in range(20)]
+    for _ in range(3):
+        live.set_quota([0.5, np.inf, np.inf], [1.0, np.inf, np.inf])
+        live.decide()
+        live.observe(*window(live))
+    assert json.dumps(live.state_dict()) != before  # the live one moved on
+    assert json.dumps(frozen.state_dict()) == before
+    assert [frozen.sizes_for_step(i).tolist() for i in range(20)] == sizes
+
+    costs = CostModel(3)
+    costs.observe(rng.integers(1, 100, (6, 3)), rng.random((6, 3)))
+    kept = costs.snapshot()
+    was = json.dumps(kept.state_dict())
+    costs.observe(rng.integers(1, 100, (6, 3)), rng.random((6, 3)))
+    assert json.dumps(costs.state_dict()) != was and json.dumps(kept.state_dict()) == was

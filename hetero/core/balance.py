@@ -67,8 +67,9 @@ class Balance:
             batch_sampler's lengths and each rank's fitted per-token cost (docs/tokens.md); None: by counts.
         attention: with collator, a squared length's weight in a row's cost; None: fitted with the costs.
         loss_mean: "samples" (weights b_i/B) or, with collator, "tokens" (a token-mean loss: weights n_i/N).
-        max_tokens: with collator and micro_batch, the most tokens one micro-batch of a rank holds (an int, or one
-            per rank, None: no cap): its rows are cut into micro-batches within it (docs/tokens.md).
+        max_tokens: with collator, the most tokens one forward of a rank holds (an int, or one per rank, None: no
+            cap): with micro_batch its rows are cut into micro-batches within it, without it the step's split keeps
+            each rank's rows within it (docs/tokens.md).
         weighting: "hook" (a communication hook weighs every backward) or, for a DDP loop that calls
             `bal.backward(loss)`, "loss": the weight on the loss, DDP's own all-reduce (less host time per step).
 

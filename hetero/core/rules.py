@@ -68,10 +68,9 @@ def check_tokens(s, spell: Spell = argument) -> None:
                     whole("max_tokens", t, 1)
         else:
             whole("max_tokens", s.max_tokens, 1)
-        if s.collator is None or not s.micro_batch:
-            raise ValueError(f"{spell('max_tokens')} caps the tokens of one micro-batch of a split by tokens: set "
-                             f"{spell('collator')}='padded' or 'packed' and {spell('micro_batch')} (the rows of a "
-                             f"forward; 1 is the usual setting for language models)")
+        if s.collator is None:
+            raise ValueError(f"{spell('max_tokens')} caps the tokens of one forward of a split by tokens: set "
+                             f"{spell('collator')}='padded' or 'packed'")
     if s.collator is None:
         if s.attention is not None or s.loss_mean != "samples":
             which = spell("attention") if s.attention is not None else f"{spell('loss_mean')}='tokens'"

@@ -64,8 +64,10 @@ class SizeSchedule:
         # micro-batches of one row; sorted longest first, micro-batches of m pad little)
         self.split_layout = "packed" if settings.micro_batch else settings.collator
         # max_tokens: the most tokens one micro-batch of each rank holds (inf: no cap); a row alone must fit, and a
-        # rank's rows are cut into micro-batches of at most micro_batch rows and max_tokens tokens (micro_at)
+        # rank's rows are cut into micro-batches of at most micro_batch rows and max_tokens tokens (micro_at); without
+        # micro_batch a rank's whole step is one forward, so its rows together hold at most max_tokens (step_caps)
         self.row_caps = None if settings.max_tokens is None else np.array(settings.per_rank_tokens(world), dtype=float)
+        self.step_caps = self.row_caps if not settings.micro_batch else None
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
 
     # -- the limits -------------------------------------------------------------------------------------------
@@ -133,11 +135,26 @@ class SizeSchedule:
         window = self._perm[1][step * B:(step + 1) * B]
         fixed, per = costs.coefficients()
         cost = Cost(self.split_layout, costs.attention)
-        parts = split(self.lengths[window], fixed, per, cost, self.row_caps, min_rows=self.settings.min_batch)
+        try:
+            parts = self._split_window(window, fixed, per, cost)
+        except ValueError:  # step caps: no split under these costs; the prior's, checked before the epoch, fits
+            if self.step_caps is None:
+                raise
+            parts = self._split_window(window, *self._prior(), Cost(self.split_layout))
         if not self.settings.micro_batch:
             return [window[np.sort(p)] for p in parts]
         # micro-batches of m: each rank's rows longest first (ties by position), so a padded micro-batch pads least
         return [window[p][np.lexsort((window[p], -self.lengths[window[p]]))] for p in parts]
+
+    def _split_window(self, window: np.ndarray, fixed, per, cost: Cost) -> list[np.ndarray]:
+        if self.step_caps is not None:
+            return split(self.lengths[window], fixed, per, cost, min_rows=self.settings.min_batch,
+                         totals=self.step_caps)
+        return split(self.lengths[window], fixed, per, cost, self.row_caps, min_rows=self.settings.min_batch)
+
+    def _prior(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cost model's prior coefficients: no fixed part, the same cost per token on every rank."""
+        return np.zeros(self.world), np.ones(self.world)
 
     def _cut(self, rows: np.ndarray, rank: int) -> list[np.ndarray]:
         """One rank's rows (longest first) in micro-batches of at most micro_batch rows and, with max_tokens, at most
@@ -165,10 +182,26 @@ class SizeSchedule:
 
     def _check_caps(self, epoch: int) -> None:
         """max_tokens, before an epoch's first split: every step's window can give each rank min_batch rows it
-        holds (else one line on every rank alike, naming the step: the windows are the same everywhere)."""
+        holds (else one line on every rank alike, naming the step: the windows are the same everywhere). Without
+        micro_batch, each step's window splits under the prior's costs within every rank's max_tokens (a split
+        under the fitted costs that finds none takes that one)."""
         if self.row_caps is None:
             return
         B, k = self.settings.global_batch, self.settings.min_batch
+        if self.step_caps is not None:
+            for step in range(self.steps_per_epoch):
+                window = self._perm[1][step * B:(step + 1) * B]
+                try:
+                    self._split_window(window, *self._prior(), Cost(self.split_layout))
+                except ValueError:
+                    L = self.lengths[window]
+                    raise HeteroError(
+                        f"hetero: step {step} of epoch {epoch} cannot split its {B} samples ({int(L.min())}-"
+                        f"{int(L.max())} tokens long, {int(L.sum())} in all) within the ranks' max_tokens "
+                        f"{[None if np.isinf(c) else int(c) for c in self.step_caps]} with {k} row(s) each, "
+                        f"{self.settings.collator}: raise max_tokens, or give micro_batch (a rank's rows in several "
+                        f"forwards)") from None
+            return
         order = np.argsort(self.row_caps, kind="stable")  # the ranks holding the shortest rows first
         for step in range(self.steps_per_epoch):
             L = np.sort(self.lengths[self._perm[1][step * B:(step + 1) * B]])

@@ -31,7 +31,7 @@ class Settings:
     collator: str | None = None   # None: split by counts; "padded" or "packed": by tokens (batch_sampler's lengths)
     attention: float | None = None  # with collator: a squared length's weight in a row's cost (None: fitted)
     loss_mean: str = "samples"    # the loss's mean: over samples (weights b_i/B) or over tokens (n_i/N)
-    max_tokens: int | Sequence | None = None  # with collator and micro_batch: tokens one micro-batch holds, per rank
+    max_tokens: int | Sequence | None = None  # with collator: tokens one forward (micro-batch) holds, per rank
     weighting: str = "hook"       # DDP: "hook" (a comm hook weighs the gradients) or "loss" (bal.backward(loss))
 
     def __post_init__(self):

@@ -144,12 +144,15 @@ class _Search:
     """The contiguous search for one order of the ranks: each takes a run of the samples sorted longest first. The
     bisection calls `place` some 40 times: it works on Python floats and lists (bisect), not numpy scalars."""
 
-    def __init__(self, desc: np.ndarray, a, c, cap, order: list[int], cost: Cost, min_rows: int):
+    def __init__(self, desc: np.ndarray, a, c, cap, order: list[int], cost: Cost, min_rows: int, total=None):
         self.desc, self.a, self.c, self.cap, self.order, self.cost = desc, a, c, cap, order, cost
         self.min_rows = min_rows
         d = desc.astype(float)
         self.row = (d * (1.0 + cost.attention * d)).tolist()  # padded: the cost of one row padded to desc[pos]
         self.prefix = np.concatenate([[0.0], np.cumsum(cost.unit(d))]).tolist()  # packed: units of desc[:k]
+        # a rank's whole rows' tokens (the collator's layout) within its total: packed, by the tokens' prefix
+        self.totals = None if total is None else [float(total[r]) for r in order]
+        self.tokens = np.concatenate([[0.0], np.cumsum(d)]).tolist() if total is not None else None
         self._ranks = [(float(a[r]), float(c[r]), float(cap[r])) for r in order]
         self._lengths = desc.tolist()
 
@@ -163,13 +166,25 @@ class _Search:
             return int(budget // self.row[pos])
         return bisect.bisect_right(self.prefix, self.prefix[pos] + budget) - 1 - pos
 
+    def _held(self, j: int, pos: int) -> int:
+        """How many samples from pos the j-th rank of the order holds within its total of tokens (padded: rows x the
+        first, the longest; packed: their sum)."""
+        total = self.totals[j]
+        if total == float("inf"):  # no cap on this rank
+            return len(self._lengths) - pos
+        if self.cost.collator == "padded":
+            return int(total // self._lengths[pos])
+        return bisect.bisect_right(self.tokens, self.tokens[pos] + total) - 1 - pos
+
     def place(self, T: float) -> list[int] | None:
         """How many of the sorted samples each rank (in self.order) takes at time T, or None if some are left."""
         n, pos, took, left = len(self._lengths), 0, [], len(self._ranks)
-        for a, c, cap in self._ranks:
+        for j, (a, c, cap) in enumerate(self._ranks):
             left -= 1
             room = n - pos - self.min_rows * left  # the ranks still to come are owed min_rows
             k = 0 if pos >= n or self._lengths[pos] > cap else min(self._fits(a, c, pos, T), room)
+            if self.totals is not None and k:
+                k = min(k, self._held(j, pos))
             if k < self.min_rows:
                 return None
             took.append(k)
@@ -202,22 +217,25 @@ class _Search:
         return worst
 
 
-def _greedy(desc: np.ndarray, a, c, cap, cost: Cost) -> list[list[int]] | None:
-    """Packed rows: each sample, longest first, onto the rank that would then finish first (ties: the lower rank).
-    Python floats, not numpy: one sample at a time over a handful of ranks is cheaper without arrays."""
+def _greedy(desc: np.ndarray, a, c, cap, cost: Cost, total=None) -> list[list[int]] | None:
+    """Packed rows: each sample, longest first, onto the rank that would then finish first (ties: the lower rank),
+    among those it fits (its row cap, and its total of tokens). Python floats, not numpy: one sample at a time over a
+    handful of ranks is cheaper without arrays."""
     a_, c_, cap_ = a.tolist(), c.tolist(), cap.tolist()
     ranks = range(len(a_))
     work = [0.0] * len(a_)
+    room = [float("inf")] * len(a_) if total is None else [float(t) for t in total]  # tokens each can still take
     rows: list[list[int]] = [[] for _ in ranks]
     w = cost.attention
     for j, length in enumerate(desc.tolist()):
         unit, best, r = length * (1.0 + w * length), float("inf"), -1
         for q in ranks:  # the first rank of the least time (a plain loop: no tuple or generator per rank)
-            if cap_[q] >= length and (t := a_[q] + c_[q] * (work[q] + unit)) < best:
+            if cap_[q] >= length and room[q] >= length and (t := a_[q] + c_[q] * (work[q] + unit)) < best:
                 best, r = t, q
         if r < 0:
             return None
         work[r] += unit
+        room[r] -= length
         rows[r].append(j)
     return rows
 
@@ -232,19 +250,25 @@ def _orders(c: np.ndarray, cap: np.ndarray, permute: bool) -> list[list[int]]:
     return [sorted(range(n), key=lambda r: (-cap[r], s * c[r], r)) for s in (1, -1)]
 
 
-def split(lengths, fixed_s, per_unit_s, cost: Cost = Cost(), caps=None, min_rows: int = 1) -> list[np.ndarray]:
+def split(lengths, fixed_s, per_unit_s, cost: Cost = Cost(), caps=None, min_rows: int = 1,
+          totals=None) -> list[np.ndarray]:
     """The positions (into `lengths`, ascending) of each rank's rows, minimising the slowest predicted step.
 
     fixed_s, per_unit_s: each rank's cost model (seconds, seconds per unit of cost.work); caps: the longest row each
-    rank can hold, in tokens (None: no cap). Every position lands on exactly one rank, at least min_rows on each.
+    rank can hold, in tokens (None: no cap); totals: the tokens each rank's rows may hold together, as the collator
+    lays them out (padded: rows x the longest; packed: their sum; None: no cap), a rank's whole step in one forward.
+    Every position lands on exactly one rank, at least min_rows on each.
     """
     L = check_lengths(lengths)
+    if totals is not None:  # a row longer than a rank's total does not fit it either
+        caps = totals if caps is None else np.minimum(caps, totals)
     given = [np.atleast_1d(np.asarray(v, dtype=float)) for v in (fixed_s, per_unit_s, caps) if v is not None]
     n_ranks = max(v.size for v in given)
     if any(v.ndim != 1 or v.size not in (1, n_ranks) for v in given):
         raise ValueError(f"hetero: fixed_s, per_unit_s and caps take one number per rank, or one for every rank (got "
                          f"{', '.join(str(v.size) for v in given)} numbers)")
     a, c, cap = _coefficients(n_ranks, fixed_s, per_unit_s, caps)
+    total = None if totals is None else np.broadcast_to(np.asarray(totals, dtype=float), (n_ranks,))
     if isinstance(min_rows, bool) or not isinstance(min_rows, numbers.Integral) or min_rows < 0:
         raise ValueError(f"hetero: min_rows must be a whole number >= 0 (got {min_rows!r})")
     if L.size < min_rows * n_ranks:
@@ -258,7 +282,7 @@ def split(lengths, fixed_s, per_unit_s, cost: Cost = Cost(), caps=None, min_rows
 
     candidates: list[tuple[float, list[np.ndarray]]] = []
     for order in _orders(c, cap, permute=cost.collator == "padded"):
-        found = _Search(desc, a, c, cap, order, cost, min_rows).best()
+        found = _Search(desc, a, c, cap, order, cost, min_rows, total).best()
         if found is not None:
             worst, took = found
             bounds = np.concatenate([[0], np.cumsum(took)])
@@ -267,7 +291,7 @@ def split(lengths, fixed_s, per_unit_s, cost: Cost = Cost(), caps=None, min_rows
                 parts[r] = perm[bounds[j]:bounds[j + 1]]
             candidates.append((worst, parts))
     if cost.collator == "packed":
-        rows = _greedy(desc, a, c, cap, cost)
+        rows = _greedy(desc, a, c, cap, cost, total)
         if rows is not None and min(len(x) for x in rows) >= min_rows:
             parts = [perm[np.asarray(x, dtype=np.int64)] for x in rows]
             candidates.append((float(np.max(times(L, parts, a, c, cost))), parts))
@@ -277,18 +301,21 @@ def split(lengths, fixed_s, per_unit_s, cost: Cost = Cost(), caps=None, min_rows
     best = min(range(len(candidates)), key=lambda j: (candidates[j][0], j))
     parts = candidates[best][1]
     if cost.collator == "packed":
-        parts = _exchange(L, parts, a, c, cap, cost, min_rows)
+        parts = _exchange(L, parts, a, c, cap, cost, min_rows, total)
     return [np.sort(p) for p in parts]
 
 
-def _exchange(L: np.ndarray, parts: list[np.ndarray], a, c, cap, cost: Cost, min_rows: int) -> list[np.ndarray]:
+def _exchange(L: np.ndarray, parts: list[np.ndarray], a, c, cap, cost: Cost, min_rows: int,
+              total=None) -> list[np.ndarray]:
     """Packed rows: moves of one sample off the slowest rank, or swaps of one of its samples with another rank's,
     while one lowers the slowest rank's time without lifting the other to it (each lowers the sorted times, so it
-    ends; at most 4 x the samples' count of them)."""
+    ends; at most 4 x the samples' count of them), and keeps both within their totals of tokens."""
     unit = cost.unit(L)
     parts = [np.asarray(p, dtype=np.int64) for p in parts]
+    total = np.full(len(parts), np.inf) if total is None else total
     for _ in range(EXCHANGES):
         work = np.array([unit[p].sum() for p in parts])
+        held = np.array([L[p].sum() for p in parts], dtype=float)  # each rank's tokens, packed
         t = np.where([len(p) > 0 for p in parts], a + c * work, 0.0)
         r = int(np.argmax(t))
         ur = unit[parts[r]]
@@ -296,7 +323,7 @@ def _exchange(L: np.ndarray, parts: list[np.ndarray], a, c, cap, cost: Cost, min
         for q in range(len(parts)):
             if q == r:
                 continue
-            fits_q = L[parts[r]] <= cap[q]
+            fits_q = (L[parts[r]] <= cap[q]) & (held[q] + L[parts[r]] <= total[q])
             if len(parts[r]) > min_rows:  # a move: r keeps at least min_rows
                 after = np.maximum(a[r] + c[r] * (work[r] - ur), a[q] + c[q] * (work[q] + ur))
                 after = np.where(fits_q, after, np.inf)
@@ -307,7 +334,10 @@ def _exchange(L: np.ndarray, parts: list[np.ndarray], a, c, cap, cost: Cost, min
                 uq = unit[parts[q]]
                 d = ur[:, None] - uq[None, :]
                 after = np.maximum(a[r] + c[r] * (work[r] - d), a[q] + c[q] * (work[q] + d))
-                after = np.where(fits_q[:, None] & (L[parts[q]][None, :] <= cap[r]), after, np.inf)
+                moved = L[parts[r]][:, None] - L[parts[q]][None, :]  # tokens r hands q in a swap
+                ok = ((L[parts[r]] <= cap[q])[:, None] & (L[parts[q]][None, :] <= cap[r])
+                      & (held[q] + moved <= total[q]) & (held[r] - moved <= total[r]))
+                after = np.where(ok, after, np.inf)
                 j, k = np.unravel_index(int(np.argmin(after)), after.shape)
                 if after[j, k] < best[0]:
                     best = (after[j, k], ("swap", q, int(j), int(k)))

@@ -29,7 +29,10 @@ MICRO = {"micro2-padded-tokens": 2, "micro1-packed-samples": 1, "micro3-padded-s
 # max_tokens of the last rank in the capped cases (the others none): no micro-batch of it holds more (one row of at
 # most 200 tokens; up to 3 rows packed within 600, cut where the next row would overflow)
 CAPS = {"capped-micro1-padded-tokens": 200, "capped-micro3-packed-samples": 600,
-        "fsdp2-capped-micro2-packed-tokens": 500}
+        "fsdp2-capped-micro2-packed-tokens": 500,
+        # without micro-batches a rank's step is one forward: its rows together within the cap (padded: rows x the
+        # longest; packed: their sum), each below an even share of any step
+        "capped-padded-tokens": 600, "capped-packed-samples": 900}
 
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
     #               the loop sets equal weights)
@@ -47,6 +50,8 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "capped-micro1-padded-tokens": ("padded", "tokens", "tokens", True, False),
     "capped-micro3-packed-samples": ("packed", "samples", "samples", True, False),
     "fsdp2-capped-micro2-packed-tokens": ("packed", "tokens", "tokens", True, False),  # FSDP2's micro-batch schedule
+    "capped-padded-tokens": ("padded", "tokens", "tokens", True, False),
+    "capped-packed-samples": ("packed", "samples", "samples", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, True),
@@ -133,7 +138,11 @@ def test_a_split_by_tokens_equals_one_process_on_the_unpacked_union(launched, na
     for r in ranks:  # after 1 and after 3 steps, on every rank
         assert _miss(r[name]["params"][0], want[0]) < 1e-9
         assert _miss(r[name]["params"][2], want[2]) < 1e-9
-    if name in CAPS:  # each micro-batch of the last rank within its max_tokens; some step had longer rows
+    if name in CAPS and name not in MICRO:  # the last rank's whole step within its max_tokens, below an even share
+        lengths, cost, cap = tokenlm.corpus(N)[0], Cost(CASES[name][0]), CAPS[name]
+        assert all(cost.work(lengths[b]) <= cap for b in ranks[-1][name]["batches"])
+        assert all(cost.work(lengths[s]) / world > cap for s in steps)
+    elif name in CAPS:  # each micro-batch of the last rank within its max_tokens; some step had longer rows
         lengths, cost = tokenlm.corpus(N)[0], Cost(CASES[name][0])
         assert all(cost.work(lengths[b]) <= CAPS[name] and len(b) <= MICRO[name] for b in ranks[-1][name]["batches"])
         m, cap = MICRO[name], CAPS[name]  # the cap bound: a longer row went to another rank (one row a micro-batch);

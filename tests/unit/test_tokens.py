@@ -388,8 +388,8 @@ def test_by_tokens_an_epoch_hands_out_every_sample_once_and_learns_the_cost():
     ({"collator": "padded", "scheme": "dp"}, "scheme must be edp or affine"),
     ({"collator": "padded", "sit_out": True, "scheme": "affine"}, "sit_out does not combine with collator yet"),
     ({"collator": "padded", "max_batch": 8}, "max_batch does not combine with collator yet"),
-    ({"max_tokens": 512}, "max_tokens caps the tokens of one micro-batch of a split by tokens"),
-    ({"collator": "padded", "max_tokens": 512}, "max_tokens caps .* set collator='padded' or 'packed' and micro_batch"),
+    ({"max_tokens": 512}, "max_tokens caps the tokens of one forward of a split by tokens: set collator='padded' "
+                          "or 'packed'"),
     ({"collator": "padded", "micro_batch": 1, "max_tokens": 0}, "max_tokens must be a whole number >= 1"),
     ({"collator": "padded", "micro_batch": 1, "max_tokens": [512, 1.5]}, "max_tokens must be a whole number >= 1"),
 ])
@@ -568,3 +568,104 @@ def test_the_split_cost_table_times_each_layout_size_and_world():
     assert [(r["collator"], r["samples"], r["ranks"]) for r in rows] == [
         ("padded", 8, 2), ("padded", 16, 2), ("packed", 8, 2), ("packed", 16, 2)]
     assert all(0 < r["fastest_ms"] <= r["median_ms"] for r in rows)
+
+
+def _held(L: np.ndarray, collator: str) -> float:
+    """A rank's rows' tokens as its collator lays them out in one forward (padded: rows x the longest)."""
+    return Cost(collator).parts(L)[0]
+
+
+@pytest.mark.parametrize("collator", ["padded", "packed"])
+def test_a_split_keeps_each_ranks_whole_rows_within_its_total_of_tokens(collator):
+    """split(totals=...): without micro-batches a rank's step is one forward, so its rows together (padded: rows x the
+    longest; packed: their sum) stay within its total, every sample once and min_rows each, or no split is found
+    (ValueError). Without the totals the same steps overflow them (the control: the cap binds)."""
+    rng = np.random.default_rng(11)
+    split_found = over_without = 0
+    for _ in range(300):
+        n = int(rng.integers(2, 5))
+        L = rng.integers(1, 300, int(rng.integers(n, 40)))
+        a, c = rng.random(n) * 1e-3, rng.uniform(0.5, 3, n) * 1e-6
+        totals = rng.integers(300, 4000, n).astype(float)
+        if rng.random() < 0.3:
+            totals[int(rng.integers(n))] = np.inf  # a rank without a cap
+        try:
+            parts = split(L, a, c, Cost(collator), min_rows=1, totals=totals)
+        except ValueError as e:
+            assert "no split" in str(e) or "more than any rank can hold" in str(e), e
+            continue
+        split_found += 1
+        assert sorted(np.concatenate(parts).tolist()) == list(range(L.size))
+        assert all(len(p) >= 1 for p in parts)
+        assert all(_held(L[p], collator) <= t for p, t in zip(parts, totals)), (L, totals, parts)
+        free = split(L, a, c, Cost(collator), min_rows=1)
+        over_without += any(_held(L[p], collator) > t for p, t in zip(free, totals))
+    assert split_found > 150 and over_without > 20, (split_found, over_without)
+
+
+@pytest.mark.parametrize("collator", ["padded", "packed"])
+def test_max_tokens_without_micro_batches_keeps_each_ranks_step_within_its_cap(collator):
+    """A Balance with max_tokens and no micro_batch (a rank's step is one forward): over an epoch every rank's rows of
+    every step within its cap as its collator lays them out, every sample once, what the sampler hands out; without
+    the caps rank 1 gets more (the control)."""
+    lengths = np.random.default_rng(7).integers(1, 200, 96)
+    for caps in ([4096, 700], None):
+        seen, most = [], []
+        for rank in range(2):
+            bal = _capped(rank, 2, lengths, caps, m=0, collator=collator)
+            bal.set_epoch(0)
+            sched = bal.engine.plan.schedule
+            handed = list(bal.sampler)
+            assert handed == [sched.rows_at(0, s)[rank].tolist() for s in range(8)]
+            if caps is not None:
+                assert all(_held(lengths[b], collator) <= caps[rank] for b in handed), rank
+            seen += [i for b in handed for i in b]
+            most.append(max(_held(lengths[b], collator) for b in handed))
+        assert sorted(seen) == list(range(96))
+        assert (most[1] <= 700) == (caps is not None), most
+
+
+def test_an_epoch_with_a_step_that_cannot_split_within_the_caps_is_refused_before_its_first_step():
+    """Without micro-batches: a step whose samples cannot be shared within the ranks' max_tokens is found when the
+    epoch's first step is cut, on every rank alike, naming the step and what to set."""
+    from hetero.core.agree import HeteroError
+    from hetero.core.sampler import EpochPlan
+
+    lengths = np.full(48, 20)
+    window = EpochPlan(48, 12, 0, 0).perm[24:36].numpy()  # step 2 of epoch 0
+    lengths[window] = 90  # 12 x 90 tokens padded: more than 600 + 400
+    lines = set()
+    for rank in range(2):
+        bal = _capped(rank, 2, lengths, [600, 400], m=0)
+        bal.set_epoch(0)
+        with pytest.raises(HeteroError) as e:
+            next(iter(bal.sampler))
+        lines.add(str(e.value))
+    assert lines == {"hetero: step 2 of epoch 0 cannot split its 12 samples (90-90 tokens long, 1080 in all) within "
+                     "the ranks' max_tokens [600, 400] with 1 row(s) each, padded: raise max_tokens, or give "
+                     "micro_batch (a rank's rows in several forwards)"}
+    bal = _capped(0, 2, lengths, [700, 400], m=0)  # 7 + 4 rows of 90: 11 of 12, still short
+    bal.set_epoch(0)
+    with pytest.raises(HeteroError):
+        next(iter(bal.sampler))
+    bal = _capped(0, 2, lengths, [720, 400], m=0)  # 8 + 4: fits
+    bal.set_epoch(0)
+    assert next(iter(bal.sampler))
+
+
+def test_a_step_whose_fitted_split_finds_no_room_takes_the_priors_split_checked_before_the_epoch():
+    """Packed, no micro-batches, caps of 258 and 734 tokens: under these fitted costs the search finds no split of
+    this step within the caps (split raises), while the prior's (checked before the epoch) fits; the step takes that
+    one, within both caps, every sample once."""
+    lengths = np.array([37, 127, 113, 130, 63, 184, 146, 165])
+    fitted = np.array([1.832661859442005, 1.1915786093078993])
+    with pytest.raises(ValueError, match="no split"):
+        split(lengths, np.zeros(2), fitted, Cost("packed"), totals=[258.0, 734.0])
+    bal = _capped(0, 2, lengths, [258, 734], m=0, B=8, collator="packed")
+    bal.set_epoch(0)
+    sched = bal.engine.plan.schedule
+    costs = CostModel(2, attention=0.0)
+    costs.per_unit_s = fitted
+    rows = sched._split(costs, 0, 0)
+    assert sorted(np.concatenate(rows).tolist()) == list(range(8))
+    assert [int(lengths[r].sum()) <= cap for r, cap in zip(rows, (258, 734))] == [True, True]

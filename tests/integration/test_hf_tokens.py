@@ -30,17 +30,19 @@ N, B, T, VOCAB, LR, SEED, STEPS = 48, 16, 32, 16, 0.5, 5, 3
 CASES = {"padded": "padded", "packed": "packed", "packed-without-document-mask": "packed",
          "accumulated-padded": "padded", "accumulated-packed": "packed",  # per_device_train_batch_size 1, G = 8
          "default-padded": None, "default-packed": None,  # a Balance without a collator: the Trainer's default
-         "capped-accumulated-padded": "padded"}  # rank 1 holds rows of at most CAP tokens (max_tokens)
-CAP = 16
+         "capped-accumulated-padded": "padded",  # rank 1 holds rows of at most CAP tokens (max_tokens)
+         "capped-padded": "padded"}  # no accumulation: rank 1's whole step (rows x the longest) within STEP_CAP
+CAP, STEP_CAP = 16, 64
 
 
 def _longest(model) -> list[int]:
-    """The longest row each forward of `model` ran, kept in the list returned (a forward pre-hook: the model's
-    signature, which the Trainer reads, stays the Llama's)."""
-    seen = [0]
+    """The longest row and the most padded tokens (rows x the longest) of any forward of `model`, kept in the list
+    returned (a forward pre-hook: the model's signature, which the Trainer reads, stays the Llama's)."""
+    seen = [0, 0]
 
     def hook(module, args, kwargs):
         seen[0] = max(seen[0], int(kwargs["attention_mask"].sum(1).max()))
+        seen[1] = max(seen[1], int(kwargs["input_ids"].numel()))
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
@@ -100,7 +102,7 @@ def _worker(rank: int, out: str) -> None:
     for case, collator in CASES.items():
         micro = "accumulated" in case  # the common LLM setting: rows one at a time, accumulated
         bal = hetero.Balance(global_batch=B, seed=SEED, collator=collator, rebalance_every=1, micro_batch=int(micro),
-                             max_tokens=[None, CAP] if case.startswith("capped") else None)
+                             max_tokens=[None, CAP if micro else STEP_CAP] if case.startswith("capped") else None)
         bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
         model = _model(Unmasked if case == "packed-without-document-mask" else
                        tf.LlamaForCausalLM)
@@ -108,11 +110,11 @@ def _worker(rank: int, out: str) -> None:
             _args(f"{out}/{case}", B // 2)
         trainer = HeteroTrainer(model=model, args=args, train_dataset=Docs(),
                                 data_collator=_collator(case), balance=bal)
-        longest = _longest(model) if case.startswith("capped") else [None]
+        longest = _longest(model) if case.startswith("capped") else [None, None]
         trainer.train()
         result[case] = {"params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
                         "sizes": bal.last_sizes, "kind": trainer._loss_kind, "collator": bal.settings.collator,
-                        "longest": longest[0]}
+                        "longest": longest[0], "held": longest[1]}
     bal = hetero.Balance(global_batch=B, seed=SEED, collator="packed")
     trainer = HeteroTrainer(model=_model(), args=_args(f"{out}/unnumbered", B // 2), train_dataset=Docs(),
                             data_collator=tf.DataCollatorWithFlattening(return_position_ids=False), balance=bal)
@@ -141,7 +143,7 @@ def union(tmp_path_factory) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", ["padded", "packed", "accumulated-padded", "accumulated-packed", "default-padded",
-                                  "default-packed", "capped-accumulated-padded"])
+                                  "default-packed", "capped-accumulated-padded", "capped-padded"])
 def test_the_trainer_split_by_tokens_steps_as_one_process_on_the_unpacked_union(trained, union, case):
     moved = max_diff([p.detach().flatten().tolist() for p in _model().parameters()], union)
     assert moved > 1e-3
@@ -154,6 +156,8 @@ def test_max_tokens_keeps_a_ranks_rows_within_its_cap_in_the_trainer(trained):
     """Rows of 2-32 tokens, one a forward: rank 1's max_tokens (CAP) holds no longer row, rank 0 takes them."""
     longest = [rank["capped-accumulated-padded"]["longest"] for rank in trained]
     assert longest[1] <= CAP < longest[0], longest
+    held = [rank["capped-padded"]["held"] for rank in trained]  # one forward a step: its rows x the longest
+    assert held[1] <= STEP_CAP < held[0], held
 
 
 def test_packed_without_the_document_mask_misses_the_union(trained, union):

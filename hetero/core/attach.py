@@ -53,6 +53,9 @@ def attach(e: Engine, model: torch.nn.Module, probed: bool) -> OptimizerGuard:
                           "for another model")
     if any(e.plan.schedule.probes) and not probed:
         raise ValueError('max_batch "probe": call bal.probe(model, ...) before wrapping the model in DDP')
+    if any(e.plan.schedule.token_probes) and not probed:
+        raise ValueError('max_tokens "probe": call bal.probe(model, device=..., max_length=...) before wrapping the '
+                         'model in DDP')
     from . import deepspeed, fsdp  # torch only (deepspeed is imported only for one of its engines)
 
     schedule = door = None

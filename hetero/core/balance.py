@@ -31,7 +31,7 @@ from .emulator import parse_hetero
 from .engine import Engine
 from .metrics import metrics as read_out
 from .plan import At, Plan
-from .probe import probe_all
+from .probe import probe_limits
 from .records import Decision, Position, StepRecord
 from .replay import recorded
 from .rules import whole
@@ -67,9 +67,8 @@ class Balance:
             batch_sampler's lengths and each rank's fitted per-token cost (docs/tokens.md); None: by counts.
         attention: with collator, a squared length's weight in a row's cost; None: fitted with the costs.
         loss_mean: "samples" (weights b_i/B) or, with collator, "tokens" (a token-mean loss: weights n_i/N).
-        max_tokens: with collator, the most tokens one forward of a rank holds (an int, or one per rank, None: no
-            cap): with micro_batch its rows are cut into micro-batches within it, without it the step's split keeps
-            each rank's rows within it (docs/tokens.md).
+        max_tokens: with collator, the most tokens one forward of a rank holds (an int, "probe", or one per rank;
+            None: no cap): its micro-batches, or without micro_batch its step's rows, within it (docs/tokens.md).
         weighting: "hook" (a communication hook weighs every backward) or, for a DDP loop that calls
             `bal.backward(loss)`, "loss": the weight on the loss, DDP's own all-reduce (less host time per step).
 
@@ -157,19 +156,23 @@ class Balance:
         self._replay = sizes
 
     # -- set-up ----------------------------------------------------------------------------------------------
-    def probe(self, model: torch.nn.Module, sample_shape: tuple[int, ...], classes: int, device: torch.device,
-              autocast=None, memory_format=torch.contiguous_format, gpu: str = "") -> list[float]:
-        """Collective, before DDP: ranks set to max_batch "probe" find their largest batch on their GPU (a CPU rank
-        gets no limit). Returns every rank's largest batch (inf: none); with micro_batch it bounds m.
+    def probe(self, model: torch.nn.Module, sample_shape: tuple[int, ...] | None = None, classes: int | None = None,
+              device: torch.device | None = None, autocast=None, memory_format=torch.contiguous_format,
+              gpu: str = "", max_length: int | None = None) -> list[float]:
+        """Collective, before DDP: ranks set to "probe" find their limit on their GPU (a CPU rank gets none):
+        max_batch's largest batch of `sample_shape` samples (with micro_batch it bounds m), or max_tokens' most
+        tokens in one forward of a language model (`model(input_ids=..., labels=...).loss`) on rows of up to
+        max_length tokens (default: its config's max_position_embeddings). Returns every rank's limit (inf: none).
 
         Args:
-            model: the bare model (not yet wrapped in DDP); sample_shape, classes: one sample's shape, the labels.
-            gpu: this rank's physical GPU (memory.gpu_identity; found when empty): ranks sharing one are refused.
+            model: the bare model (before DDP); gpu: this rank's physical GPU (found when empty): ranks sharing one
+                are refused.
 
         Raises:
             HeteroError: on every rank alike, when a rank's probe failed or probing ranks share a GPU.
-        """
-        limits = probe_all(self.engine.plan, model, sample_shape, classes, device, autocast, memory_format, gpu)
+            ValueError: nothing set to "probe", or what its probe needs missing."""
+        limits = probe_limits(self.engine.plan, model, sample_shape, classes, device, autocast, memory_format, gpu,
+                              max_length)
         self._probed = True
         return limits
 

@@ -116,24 +116,86 @@ def fitting_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes
                   headroom: float = HEADROOM, limit_s: float | None = None) -> float:
     """probe_max_batch's search on any device (the tests run it on the CPU with a model that raises the CUDA
     out-of-memory error, or cuDNN's and cuBLAS's allocation failures, above a size)."""
+    autocast = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
+
+    def trial(b: int):
+        x = torch.zeros(b, *sample_shape, device=device).contiguous(memory_format=memory_format)
+        y = torch.arange(b, device=device) % classes
+        with autocast:
+            return F.cross_entropy(model(x).float(), y)
+    return _largest(model, device, trial, lo=lo, hi=hi, headroom=headroom, limit_s=limit_s,
+                    what=("--max-batch probe", "sample(s)"))
+
+
+def token_batch(tokens: int, max_length: int, collator: str, device: torch.device) -> dict:
+    """What a token-cap trial runs for `tokens` tokens, in the layout that costs its collator the most memory for
+    them. Padded: rows as long as the model takes (max_length), as few as hold the tokens (rows x length from tokens
+    to tokens + rows - 1): attention grows with a row's square. Packed: one row of all of them, documents of
+    max_length told apart by position_ids that restart (DataCollatorWithFlattening's layout)."""
+    if collator == "packed":
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+        return {"input_ids": ids, "labels": ids,
+                "position_ids": (torch.arange(tokens, device=device) % max_length)[None]}
+    rows = -(-tokens // max_length)
+    ids = torch.zeros(rows, -(-tokens // rows), dtype=torch.long, device=device)
+    return {"input_ids": ids, "labels": ids}
+
+
+def probe_max_tokens(model: torch.nn.Module, device: torch.device, *, lo: int, hi: int, max_length: int,
+                     collator: str = "padded", autocast=None, headroom: float = HEADROOM,
+                     limit_s: float | None = None) -> float:
+    """The most tokens one training forward holds on this GPU rank (max_tokens "probe"), times headroom, within
+    [lo, hi]; inf on a CPU rank. A trial is a language model's forward with labels and its loss's backward
+    (`model(**batch).loss`, the Hugging Face convention) on token_batch's layout; otherwise as probe_max_batch
+    (before DDP, what training adds reserved, the model left as found)."""
+    if device.type != "cuda":
+        return float("inf")
+    return fitting_tokens(model, device, lo=lo, hi=hi, max_length=max_length, collator=collator, autocast=autocast,
+                          headroom=headroom, limit_s=limit_s)
+
+
+def fitting_tokens(model: torch.nn.Module, device: torch.device, *, lo: int, hi: int, max_length: int,
+                   collator: str = "padded", autocast=None, headroom: float = HEADROOM,
+                   limit_s: float | None = None) -> float:
+    """probe_max_tokens's search on any device (the tests run it on the CPU with a model that raises CUDA's
+    out-of-memory error above a number of tokens)."""
+    autocast = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
+
+    def trial(tokens: int):
+        with autocast:
+            out = model(**token_batch(tokens, max_length, collator, device))
+        loss = getattr(out, "loss", None)  # a ModelOutput's, or a plain dict's
+        loss = out.get("loss") if loss is None and isinstance(out, dict) else loss
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError("max_tokens probe: the model must return its loss for model(input_ids=..., labels=...) "
+                            "(a Hugging Face causal language model does)")
+        return loss.float()
+    return _largest(model, device, trial, lo=lo, hi=hi, headroom=headroom, limit_s=limit_s,
+                    what=("max_tokens probe", "token(s)"))
+
+
+def _largest(model: torch.nn.Module, device: torch.device, trial: Callable[[int], torch.Tensor], *, lo: int, hi: int,
+             headroom: float, limit_s: float | None, what: tuple[str, str]) -> float:
+    """The largest size in [lo, hi] whose trial (a loss to run backward from) fits, times headroom: the search both
+    probes share. A reserve holds what training adds (SGD's momentum buffers and DDP's gradient buckets, each the
+    size of the trainable parameters); buffers, gradients and the random state are restored afterwards. A trial
+    that fails to allocate (is_alloc_failure) means "does not fit"; any other error propagates. RuntimeError when
+    not even lo fits, TimeoutError past limit_s (checked between trials)."""
+    name, unit = what
     cuda = device.type == "cuda"
     deadline = None if limit_s is None else time.perf_counter() + limit_s
     failures: list[str] = []
     trainable = [p for p in model.parameters() if p.requires_grad]
     reserve_bytes = 2 * sum(p.numel() * p.element_size() for p in trainable)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    autocast = autocast if autocast is not None else torch.autocast(device.type, enabled=False)
 
     def fits(b: int) -> bool:
         if deadline is not None and time.perf_counter() > deadline:
-            raise TimeoutError(f"--max-batch probe ran past its {limit_s:g} s limit")
-        x = y = loss = None
+            raise TimeoutError(f"{name} ran past its {limit_s:g} s limit")
+        loss = None
         failed = False
         try:
-            x = torch.zeros(b, *sample_shape, device=device).contiguous(memory_format=memory_format)
-            y = torch.arange(b, device=device) % classes
-            with autocast:
-                loss = F.cross_entropy(model(x).float(), y)
+            loss = trial(b)
             loss.backward()
             if cuda:
                 torch.cuda.synchronize(device)
@@ -145,7 +207,7 @@ def fitting_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes
             failed = True
             return False
         finally:
-            del x, y, loss
+            del loss
             model.zero_grad(set_to_none=True)
             if failed:
                 recover(device)  # outside the except block: the error's traceback no longer pins the tensors
@@ -165,5 +227,5 @@ def fitting_batch(model: torch.nn.Module, sample_shape: tuple[int, ...], classes
             torch.cuda.empty_cache()
     if best == 0:
         free = f" (free {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB)" if cuda else ""
-        raise RuntimeError(f"--max-batch probe: not even {lo} sample(s) fit on {device}{free}: {failures[-1]}")
+        raise RuntimeError(f"{name}: not even {lo} {unit} fit on {device}{free}: {failures[-1]}")
     return float(min(hi, max(lo, int(best * headroom))))

@@ -62,12 +62,9 @@ def check_tokens(s, spell: Spell = argument) -> None:
     if s.loss_mean not in LOSS_MEANS:
         raise ValueError(f"{spell('loss_mean')} must be one of {', '.join(LOSS_MEANS)} (got {s.loss_mean!r})")
     if s.max_tokens is not None:
-        if isinstance(s.max_tokens, (list, tuple)):
-            for t in s.max_tokens:
-                if t is not None:
-                    whole("max_tokens", t, 1)
-        else:
-            whole("max_tokens", s.max_tokens, 1)
+        for t in s.max_tokens if isinstance(s.max_tokens, (list, tuple)) else [s.max_tokens]:
+            if t is not None and t != "probe":  # "probe": bal.probe finds it on a GPU
+                whole("max_tokens", t, 1)
         if s.collator is None:
             raise ValueError(f"{spell('max_tokens')} caps the tokens of one forward of a split by tokens: set "
                              f"{spell('collator')}='padded' or 'packed'")

@@ -66,8 +66,10 @@ class SizeSchedule:
         # max_tokens: the most tokens one micro-batch of each rank holds (inf: no cap); a row alone must fit, and a
         # rank's rows are cut into micro-batches of at most micro_batch rows and max_tokens tokens (micro_at); without
         # micro_batch a rank's whole step is one forward, so its rows together hold at most max_tokens (step_caps)
-        self.row_caps = None if settings.max_tokens is None else np.array(settings.per_rank_tokens(world), dtype=float)
-        self.step_caps = self.row_caps if not settings.micro_batch else None
+        tokens = None if settings.max_tokens is None else settings.per_rank_tokens(world)
+        self.token_probes = [t == "probe" for t in tokens] if tokens is not None else [False] * world
+        self.row_caps = None if tokens is None else np.array([np.inf if t == "probe" else t for t in tokens], float)
+        self.step_caps = self._whole(self.row_caps)
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
 
     # -- the limits -------------------------------------------------------------------------------------------
@@ -79,6 +81,17 @@ class SizeSchedule:
         limits = [float("inf")] * len(limits) if m else limits
         check_feasible(len(limits), self.settings.global_batch, self.settings.min_batch, limits, max(m, 1))
         return limits
+
+    def set_token_caps(self, caps: list[float]) -> None:
+        """New per-rank max_tokens (after a probe): a sample longer than every cap is refused as at set_length."""
+        self.row_caps = np.array(caps, dtype=float)
+        self.step_caps = self._whole(self.row_caps)
+        self._check_longest()
+
+    def _whole(self, caps: np.ndarray | None) -> np.ndarray | None:
+        """Without micro_batch a rank's whole step is one forward: its rows together within its cap (None: no rank
+        capped, or micro-batches)."""
+        return caps if caps is not None and not self.settings.micro_batch and np.isfinite(caps).any() else None
 
     def bound(self, limits: list[float]) -> None:
         """New per-rank largest batches (after a probe): the sizes start afresh within them."""
@@ -247,11 +260,16 @@ class SizeSchedule:
         if tokens is not None:
             self.lengths, self.counted, self.seed = tokens
             self._perm = None
-            if self.row_caps is not None and (long := np.flatnonzero(self.lengths > self.row_caps.max())).size:
-                i = int(long[0])
-                raise ValueError(f"hetero: sample {i} is {int(self.lengths[i])} tokens long, more than any rank's "
-                                 f"max_tokens (the largest is {self.row_caps.max():g}): raise max_tokens "
-                                 f"({long.size} sample(s) too long)")
+            self._check_longest()
+
+    def _check_longest(self) -> None:
+        """A sample longer than every rank's max_tokens is refused, naming it (the lengths known)."""
+        if self.row_caps is not None and self.lengths is not None and \
+                (long := np.flatnonzero(self.lengths > self.row_caps.max())).size:
+            i = int(long[0])
+            raise ValueError(f"hetero: sample {i} is {int(self.lengths[i])} tokens long, more than any rank's "
+                             f"max_tokens (the largest is {self.row_caps.max():g}): raise max_tokens "
+                             f"({long.size} sample(s) too long)")
 
     def start_iteration(self, epoch: int, first: int) -> int:
         """A sampler starts handing out `epoch` at step `first` (> 0 in an epoch resumed mid-way): refuse a second

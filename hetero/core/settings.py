@@ -31,7 +31,7 @@ class Settings:
     collator: str | None = None   # None: split by counts; "padded" or "packed": by tokens (batch_sampler's lengths)
     attention: float | None = None  # with collator: a squared length's weight in a row's cost (None: fitted)
     loss_mean: str = "samples"    # the loss's mean: over samples (weights b_i/B) or over tokens (n_i/N)
-    max_tokens: int | Sequence | None = None  # with collator: tokens one forward (micro-batch) holds, per rank
+    max_tokens: int | Sequence | None = None  # with collator: tokens one forward holds, per rank ("probe")
     weighting: str = "hook"       # DDP: "hook" (a comm hook weighs the gradients) or "loss" (bal.backward(loss))
 
     def __post_init__(self):
@@ -82,13 +82,13 @@ class Settings:
                 whole("max_batch", v, 0)
         return per_rank
 
-    def per_rank_tokens(self, world: int) -> list[float]:
-        """max_tokens as one number per rank (inf: no cap), each checked."""
+    def per_rank_tokens(self, world: int) -> list[float | str]:
+        """max_tokens as one entry per rank (a number, inf: no cap, or "probe": bal.probe finds it), each checked."""
         v = self.max_tokens
         per_rank = list(v) if isinstance(v, (list, tuple)) else [v] * world
         if len(per_rank) != world:
             raise ValueError(f"hetero: max_tokens has {len(per_rank)} entries for {world} ranks")
-        return [float("inf") if t is None else whole("max_tokens", t, 1) for t in per_rank]
+        return [float("inf") if t is None else t if t == "probe" else whole("max_tokens", t, 1) for t in per_rank]
 
     def shared(self) -> dict:
         """The settings every rank must share, as plain data (the worker's own identity is not one)."""

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hetero
+from hetero.core.memory import fitting_tokens
 from hetero.core.sampler import EpochPlan
 from hetero.core.tokens import Cost
 
@@ -25,14 +26,18 @@ from helpers import spawned
 N, B, LR = 72, 24, 0.5  # 3 steps an epoch
 MICRO = {"micro2-padded-tokens": 2, "micro1-packed-samples": 1, "micro3-padded-samples": 3,
          "capped-micro1-padded-tokens": 1, "capped-micro3-packed-samples": 3,
-         "fsdp2-capped-micro2-packed-tokens": 2}  # micro_batch m
+         "fsdp2-capped-micro2-packed-tokens": 2, "probed-micro2-padded-tokens": 2}  # micro_batch m
 # max_tokens of the last rank in the capped cases (the others none): no micro-batch of it holds more (one row of at
 # most 200 tokens; up to 3 rows packed within 600, cut where the next row would overflow)
 CAPS = {"capped-micro1-padded-tokens": 200, "capped-micro3-packed-samples": 600,
         "fsdp2-capped-micro2-packed-tokens": 500,
         # without micro-batches a rank's step is one forward: its rows together within the cap (padded: rows x the
         # longest; packed: their sum), each below an even share of any step
-        "capped-padded-tokens": 600, "capped-packed-samples": 900}
+        "capped-padded-tokens": 600, "capped-packed-samples": 900,
+        # max_tokens "probe": every rank probes (a search on the CPU standing in for a GPU's, a model out of memory
+        # above OOM tokens on the last rank): the caps gathered, the last rank's 0.9 x OOM
+        "probed-micro2-padded-tokens": 540}
+OOM = 600
 
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
     #               the loop sets equal weights)
@@ -52,11 +57,26 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "fsdp2-capped-micro2-packed-tokens": ("packed", "tokens", "tokens", True, False),  # FSDP2's micro-batch schedule
     "capped-padded-tokens": ("padded", "tokens", "tokens", True, False),
     "capped-packed-samples": ("packed", "samples", "samples", True, False),
+    "probed-micro2-padded-tokens": ("padded", "tokens", "tokens", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, True),
     "packed-without-document-mask": ("packed", "tokens", "tokens", False, False),
 }
+
+
+class OutOfMemoryAbove(torch.nn.Module):
+    """What a GPU's probe trial meets: CUDA's out-of-memory error for a forward of more than `limit` tokens; else a
+    language model's loss (Hugging Face's convention)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.emb = limit, torch.nn.Embedding(8, 4)
+
+    def forward(self, input_ids, labels):
+        if input_ids.numel() > self.limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory ({input_ids.numel()} tokens)")
+        return {"loss": self.emb(input_ids).square().mean()}
 
 
 def _worker(rank: int, out: str, world: int) -> None:
@@ -71,7 +91,12 @@ def _worker(rank: int, out: str, world: int) -> None:
         m = MICRO.get(name, 0)
         caps = [None] * (world - 1) + [CAPS[name]] if name in CAPS else None
         bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1, micro_batch=m,
-                             max_tokens=caps)
+                             max_tokens="probe" if name.startswith("probed") else caps)
+        if name.startswith("probed"):  # the probe's search runs on the CPU as on a GPU, before DDP
+            hetero.core.probe.probe_max_tokens = fitting_tokens
+            probed = bal.probe(OutOfMemoryAbove(OOM if rank == world - 1 else 10**9), device=torch.device("cpu"),
+                               max_length=512)
+            assert probed == [1024.0] * (world - 1) + [0.9 * OOM], probed  # every rank's, gathered
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted if mean == "tokens" else None)

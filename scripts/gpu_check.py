@@ -17,7 +17,9 @@
    steady-state epoch time, final shares, speedup over sync.
 5. probe: the largest VGG16 training batch that fits (hetero.core.memory.probe_max_batch, as --max-batch probe), then
    a real training step (SGD with momentum) at that size, which must fit; the search has its own time limit.
-6. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
+6. tokens: the most tokens one forward of a causal language model (width 1024, 8 layers) holds, in rows of 4096
+   (hetero.core.memory.probe_max_tokens, as max_tokens "probe"), then two real SGD steps at that many, which must fit.
+7. if time is left: part 1 again on the GPU fast path (bf16 autocast, channels-last; the trainer's --bf16
    --channels-last).
 The figures go to --out as JSON and, next to it, as a markdown table (.md), rewritten after every part so that
 a run cut short still leaves what it measured. Parts (and fast-path rows) that the time did not allow are
@@ -36,7 +38,7 @@ from datetime import datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hetero, wherever python started
-from gpu_parts import GPU, SKIPPED, SMOKE, Sizes, markdown, probe, raw_samples_s  # noqa: E402
+from gpu_parts import GPU, SKIPPED, SMOKE, Sizes, markdown, probe, raw_samples_s, token_probe  # noqa: E402
 
 from hetero.core.partition import SCHEMES  # noqa: E402
 from hetero.lab.launch import ROOT, clean_env, torchrun_cmd  # noqa: E402
@@ -51,7 +53,8 @@ from hetero.lab.measure import (  # noqa: E402
 )
 from hetero.trainer.cli import CliParser  # noqa: E402
 
-PARTS = ("throughput", "delay", "mixed", "pair", "probe", "fast")  # by importance: later ones may run out of time
+# by importance: later ones may run out of time
+PARTS = ("throughput", "delay", "mixed", "pair", "probe", "tokens", "fast")
 EXTRA_PATH: list[str] = []  # a stand-in tqdm, when the GPU machine's python lacks it (see preflight)
 TQDM_STAND_IN = """class tqdm:  # written by scripts/gpu_check.py: tqdm is missing here; the trainer only draws a bar
     def __init__(self, *args, **kwargs): pass
@@ -246,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     run_part = {"throughput": lambda: throughput(s, work, left), "delay": lambda: delay(s, work, left),
                 "mixed": lambda: mixed(s, work, left),
                 "pair": lambda: pair(s, work, left, schemes), "probe": lambda: probe(s, left),
+                "tokens": lambda: token_probe(s, left),
                 "fast": lambda: throughput(s, work, left, fast=True)}
     for part in PARTS:
         if part in parts:
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             res["meta"].setdefault("part_s", {})[part] = round(time.perf_counter() - t_part, 1)
             save()
     print(markdown(res), end="")
-    found = res.get("throughput", []) + res.get("fast", []) + [res[k] for k in ("probe", "delay") if k in res]
+    found = res.get("throughput", []) + res.get("fast", []) + [res[k] for k in ("probe", "tokens", "delay") if k in res]
     found += [r for k in ("mixed", "pair") for r in res.get(k, {}).get("rows", [])]
     failed = [r for r in found if "error" in r and not r["error"].startswith(SKIPPED)]
     return 1 if failed else 0

@@ -37,10 +37,16 @@ class Sizes:
     delay_epochs: int
     delay_hetero: str
     budget_s: float               # the whole check stops starting new parts after this long
+    # the token probe (max_tokens "probe"): a causal language model of (vocab, width, layers, heads), rows of at most
+    # token_length tokens, tries up to token_hi tokens in one forward
+    token_model: tuple[int, int, int, int] = (64, 32, 1, 2)
+    token_length: int = 64
+    token_hi: int = 256
 
 
 GPU = Sizes("cuda", ("vgg16", "resnet50"), 256, 40, 10, 12800, 3, "vgg16", 7680, 3, "1:slowdown=3", 1000,
-            "cuda,cpu,cpu", "0,4,2", "auto", 10240, 4, "vgg16", 1 << 17, 45, "resnet50", 5120, 2, "1:delay=0.02", 270)
+            "cuda,cpu,cpu", "0,4,2", "auto", 10240, 4, "vgg16", 1 << 17, 45, "resnet50", 5120, 2, "1:delay=0.02", 270,
+            token_model=(32000, 1024, 8, 16), token_length=4096, token_hi=1 << 19)
 SMOKE = Sizes("cpu", ("tiny",), 32, 4, 2, 256, 2, "tiny", 256, 2, "1:slowdown=2", 64,
               "cpu,cpu", "1,1", "", 256, 2, "tiny", 64, 30, "tiny", 256, 1, "1:delay=0.02", 600)
 
@@ -137,6 +143,74 @@ def probe(s: Sizes, left) -> dict:
     return res
 
 
+def causal_lm(vocab: int, width: int, layers: int, heads: int):
+    """A causal language model of torch's own layers (the GPU machine may lack transformers), returning its loss the
+    Hugging Face way for model(input_ids=..., labels=...): what the token probe tries."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, width)
+            self.body = nn.TransformerEncoder(nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0,
+                                                                         batch_first=True, norm_first=True), layers,
+                                              enable_nested_tensor=False)
+            self.head = nn.Linear(width, vocab)
+
+        def forward(self, input_ids, labels, position_ids=None):
+            n = input_ids.shape[1]
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(n, device=input_ids.device)
+            logits = self.head(self.body(self.emb(input_ids), mask=mask, is_causal=True))
+            return {"loss": F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())}
+    return LM()
+
+
+def token_probe(s: Sizes, left) -> dict:
+    """The most tokens one forward of a causal language model holds on the device (as max_tokens "probe" finds it,
+    padded: rows of token_length), then two real SGD-with-momentum steps at that many tokens in that layout, which
+    must fit."""
+    import torch
+
+    from hetero.core.memory import probe_max_tokens, token_batch
+
+    res: dict = {"model": list(s.token_model), "max_length": s.token_length, "hi": s.token_hi}
+    if left() < 30:
+        return {**res, "error": f"{SKIPPED}out of time"}
+    dev = torch.device(s.device)
+    try:
+        torch.manual_seed(0)
+        model = causal_lm(*s.token_model).to(dev)
+        t0 = time.perf_counter()
+        found = probe_max_tokens(model, dev, lo=1, hi=s.token_hi, max_length=s.token_length,
+                                 limit_s=min(s.probe_limit_s, max(left() - 10, 1)))
+        res["probe_s"] = time.perf_counter() - t0
+        res["max_tokens"] = None if found == float("inf") else int(found)
+        if dev.type == "cuda":
+            res["total_gib"] = torch.cuda.get_device_properties(dev).total_memory / 2 ** 30
+            torch.cuda.reset_peak_memory_stats(dev)
+        batch = token_batch(res["max_tokens"] or s.token_length, s.token_length, "padded", dev)
+        opt = _sgd(model)
+        for _ in range(2):  # the second step has the momentum buffers: training's peak
+            loss = model(**batch)["loss"]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del loss
+        res["rows"], res["step_at_max_fits"] = list(batch["input_ids"].shape), True
+        if dev.type == "cuda":
+            res["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
+        del model, opt, batch
+    except TimeoutError as e:  # the search's own limit: out of time, not a fault
+        res["error"] = f"{SKIPPED}{e}"
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
 def _fmt(r: dict, key: str, fmt: str) -> str:
     """A figure of a row, or the row's error (cut short), or "-"."""
     return format(r[key], fmt) if isinstance(r.get(key), float) else (r.get("error", "")[:60] or "-")
@@ -180,6 +254,18 @@ def markdown(res: dict) -> str:
         else:
             lines.append(f"{p['max_batch']} samples (90% of the largest that fit; tries up to {p['hi']}), found in "
                          f"{p['probe_s']:.1f} s; an SGD step at that size fits"
+                         + (f" (peak {p['peak_gib']:.1f} of {p['total_gib']:.1f} GiB)" if "peak_gib" in p else ""))
+    if p := res.get("tokens"):
+        v, w, n, h = p["model"]
+        lines += ["", f"## Most tokens one forward holds (a causal LM of width {w}, {n} layers, {h} heads, vocab {v}; "
+                      f"float32; max_tokens \"probe\", padded rows of {p['max_length']})", ""]
+        if "error" in p:
+            lines.append(f"error: {p['error']}")
+        elif p["max_tokens"] is None:
+            lines.append("not probed: a CPU device has no limit (host memory does not fail cleanly)")
+        else:
+            lines.append(f"{p['max_tokens']} tokens (90% of the most that fit; tries up to {p['hi']}), found in "
+                         f"{p['probe_s']:.1f} s; two SGD steps on {p['rows'][0]} x {p['rows'][1]} tokens fit"
                          + (f" (peak {p['peak_gib']:.1f} of {p['total_gib']:.1f} GiB)" if "peak_gib" in p else ""))
     return "\n".join(lines) + "\n"
 

@@ -154,6 +154,7 @@ def test_gpu_check_smoke(tmp_path):
     assert [r["scheme"] for r in mixed] == ["sync", "edp", "affine"] and not any("error" in r for r in mixed)
     assert mixed[1]["speedup_vs_sync"] > 0 and abs(sum(mixed[2]["shares"]) - 1) < 0.01
     assert res["probe"] == {**res["probe"], "max_batch": None, "step_at_max_fits": True}  # CPU: no limit
+    assert res["tokens"] == {**res["tokens"], "max_tokens": None, "step_at_max_fits": True, "rows": [1, 64]}
     d = res["delay"]  # two ranks, rank 1 delayed 20 ms a step: the delay is part of its recorded compute
     assert "error" not in d and d["delay_s"][0] == 0 and math.isclose(d["delay_s"][1], 0.02) and d["steps"] == 8
     assert d["compute_s"][1] >= d["delay_s"][1]

@@ -108,39 +108,13 @@ def probe(s: Sizes, left) -> dict:
     from hetero.core.memory import probe_max_batch
     from hetero.trainer.models import build_model
 
-    res: dict = {"model": s.probe_model, "hi": s.probe_hi}
-    if left() < 30:
-        return {**res, "error": f"{SKIPPED}out of time"}
-    dev = torch.device(s.device)
-    try:
-        model = build_model(s.probe_model).to(dev)
-        t0 = time.perf_counter()
-        found = probe_max_batch(model, (3, 32, 32), 10, dev, lo=1, hi=s.probe_hi,
-                                limit_s=min(s.probe_limit_s, max(left() - 10, 1)))
-        res["probe_s"] = time.perf_counter() - t0
-        res["max_batch"] = None if found == float("inf") else int(found)
-        if dev.type == "cuda":
-            res["total_gib"] = torch.cuda.get_device_properties(dev).total_memory / 2 ** 30
-            torch.cuda.reset_peak_memory_stats(dev)
-        b = res["max_batch"] or s.batch
-        opt = _sgd(model)
-        for _ in range(2):  # the second step has the momentum buffers: training's peak
-            loss = F.cross_entropy(model(torch.zeros(b, 3, 32, 32, device=dev)), torch.arange(b, device=dev) % 10)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del loss
-        res["step_at_max_fits"] = True
-        if dev.type == "cuda":
-            res["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
-        del model, opt
-    except TimeoutError as e:  # the search's own limit: out of time, not a fault
-        res["error"] = f"{SKIPPED}{e}"
-    except Exception as e:  # noqa: BLE001
-        res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return res
+    def loss_at(model, b, dev):
+        return F.cross_entropy(model(torch.zeros(b, 3, 32, 32, device=dev)), torch.arange(b, device=dev) % 10), {}
+    return _probe_part(s, left, {"model": s.probe_model, "hi": s.probe_hi}, "max_batch",
+                       lambda: build_model(s.probe_model),
+                       lambda model, dev, limit_s: probe_max_batch(model, (3, 32, 32), 10, dev, lo=1, hi=s.probe_hi,
+                                                                   limit_s=limit_s),
+                       lambda model, found, dev: loss_at(model, found or s.batch, dev))
 
 
 def causal_lm(vocab: int, width: int, layers: int, heads: int):
@@ -175,33 +149,49 @@ def token_probe(s: Sizes, left) -> dict:
 
     from hetero.core.memory import probe_max_tokens, token_batch
 
-    res: dict = {"model": list(s.token_model), "max_length": s.token_length, "hi": s.token_hi}
+    def loss_at(model, found, dev):
+        batch = token_batch(found or s.token_length, s.token_length, "padded", dev)
+        return model(**batch)["loss"], {"rows": list(batch["input_ids"].shape)}
+
+    def build():
+        torch.manual_seed(0)
+        return causal_lm(*s.token_model)
+    return _probe_part(s, left, {"model": list(s.token_model), "max_length": s.token_length, "hi": s.token_hi},
+                       "max_tokens", build,
+                       lambda model, dev, limit_s: probe_max_tokens(model, dev, lo=1, hi=s.token_hi,
+                                                                    max_length=s.token_length, limit_s=limit_s),
+                       loss_at)
+
+
+def _probe_part(s: Sizes, left, res: dict, key: str, build, search, loss_at) -> dict:
+    """A probe part: build() the model on the device, search(model, device, limit_s) its limit (res[key]; None: no
+    limit, a CPU), then two SGD-with-momentum steps at it (loss_at(model, limit, device): the loss and what to
+    report of its batch), which must fit (the second has the momentum buffers: training's peak), and the peak."""
+    import torch
+
     if left() < 30:
         return {**res, "error": f"{SKIPPED}out of time"}
     dev = torch.device(s.device)
     try:
-        torch.manual_seed(0)
-        model = causal_lm(*s.token_model).to(dev)
+        model = build().to(dev)
         t0 = time.perf_counter()
-        found = probe_max_tokens(model, dev, lo=1, hi=s.token_hi, max_length=s.token_length,
-                                 limit_s=min(s.probe_limit_s, max(left() - 10, 1)))
+        found = search(model, dev, min(s.probe_limit_s, max(left() - 10, 1)))
         res["probe_s"] = time.perf_counter() - t0
-        res["max_tokens"] = None if found == float("inf") else int(found)
+        res[key] = None if found == float("inf") else int(found)
         if dev.type == "cuda":
             res["total_gib"] = torch.cuda.get_device_properties(dev).total_memory / 2 ** 30
             torch.cuda.reset_peak_memory_stats(dev)
-        batch = token_batch(res["max_tokens"] or s.token_length, s.token_length, "padded", dev)
         opt = _sgd(model)
-        for _ in range(2):  # the second step has the momentum buffers: training's peak
-            loss = model(**batch)["loss"]
+        for _ in range(2):
+            loss, about = loss_at(model, res[key], dev)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             del loss
-        res["rows"], res["step_at_max_fits"] = list(batch["input_ids"].shape), True
+        res.update(about, step_at_max_fits=True)
         if dev.type == "cuda":
             res["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2 ** 30
-        del model, opt, batch
+        del model, opt
     except TimeoutError as e:  # the search's own limit: out of time, not a fault
         res["error"] = f"{SKIPPED}{e}"
     except Exception as e:  # noqa: BLE001
@@ -246,28 +236,28 @@ def markdown(res: dict) -> str:
         lines += ["", f"## Two ranks on one GPU ({p['backend']}), {p['model']}, --hetero {p['hetero']}", ""] + \
             _scheme_table(p["rows"])
     if p := res.get("probe"):
-        lines += ["", f"## Largest batch that fits ({p['model']}, float32; --max-batch probe)", ""]
-        if "error" in p:
-            lines.append(f"error: {p['error']}")
-        elif p["max_batch"] is None:
-            lines.append("not probed: a CPU device has no limit (host memory does not fail cleanly)")
-        else:
-            lines.append(f"{p['max_batch']} samples (90% of the largest that fit; tries up to {p['hi']}), found in "
-                         f"{p['probe_s']:.1f} s; an SGD step at that size fits"
-                         + (f" (peak {p['peak_gib']:.1f} of {p['total_gib']:.1f} GiB)" if "peak_gib" in p else ""))
+        lines += _probe_lines(p, f"Largest batch that fits ({p['model']}, float32; --max-batch probe)", "max_batch",
+                              lambda: f"{p['max_batch']} samples (90% of the largest that fit; tries up to {p['hi']})"
+                                      f", found in {p['probe_s']:.1f} s; an SGD step at that size fits")
     if p := res.get("tokens"):
         v, w, n, h = p["model"]
-        lines += ["", f"## Most tokens one forward holds (a causal LM of width {w}, {n} layers, {h} heads, vocab {v}; "
-                      f"float32; max_tokens \"probe\", padded rows of {p['max_length']})", ""]
-        if "error" in p:
-            lines.append(f"error: {p['error']}")
-        elif p["max_tokens"] is None:
-            lines.append("not probed: a CPU device has no limit (host memory does not fail cleanly)")
-        else:
-            lines.append(f"{p['max_tokens']} tokens (90% of the most that fit; tries up to {p['hi']}), found in "
-                         f"{p['probe_s']:.1f} s; two SGD steps on {p['rows'][0]} x {p['rows'][1]} tokens fit"
-                         + (f" (peak {p['peak_gib']:.1f} of {p['total_gib']:.1f} GiB)" if "peak_gib" in p else ""))
+        lines += _probe_lines(p, f"Most tokens one forward holds (a causal LM of width {w}, {n} layers, {h} heads, "
+                                 f"vocab {v}; float32; max_tokens \"probe\", padded rows of {p['max_length']})",
+                              "max_tokens",
+                              lambda: f"{p['max_tokens']} tokens (90% of the most that fit; tries up to {p['hi']}), "
+                                      f"found in {p['probe_s']:.1f} s; two SGD steps on {p['rows'][0]} x "
+                                      f"{p['rows'][1]} tokens fit")
     return "\n".join(lines) + "\n"
+
+
+def _probe_lines(p: dict, title: str, key: str, found) -> list[str]:
+    """A probe part's section: its error, no limit on a CPU, or what it found (found(): the line) and its peak."""
+    lines = ["", f"## {title}", ""]
+    if "error" in p:
+        return lines + [f"error: {p['error']}"]
+    if p[key] is None:
+        return lines + ["not probed: a CPU device has no limit (host memory does not fail cleanly)"]
+    return lines + [found() + (f" (peak {p['peak_gib']:.1f} of {p['total_gib']:.1f} GiB)" if "peak_gib" in p else "")]
 
 
 def _scheme_table(rows: list[dict]) -> list[str]:

@@ -527,25 +527,31 @@ def test_a_sample_longer_than_every_ranks_cap_is_refused_at_the_sampler_naming_i
     _capped(0, 2, lengths, [300, 128])  # 300 on rank 0, a micro-batch of its own: taken
 
 
+def _refusals(lengths, caps, m: int = 2) -> set[str]:
+    """The line each of 2 ranks stops with at its sampler's first step (one set: the same line on every rank)."""
+    from hetero.core.agree import HeteroError
+
+    lines = set()
+    for rank in range(2):
+        bal = _capped(rank, 2, lengths, caps, m=m)
+        bal.set_epoch(0)
+        with pytest.raises(HeteroError) as e:
+            next(iter(bal.sampler))
+        lines.add(str(e.value))
+    return lines
+
+
 def test_an_epoch_with_a_step_that_cannot_feed_a_capped_rank_is_refused_before_its_first_step():
     """Rank 1 holds micro-batches of at most 80 tokens; a step whose 12 samples are all longer is found when the
     epoch's first step is cut, on every rank alike, naming the step (the same windows everywhere)."""
-    from hetero.core.agree import HeteroError
     from hetero.core.sampler import EpochPlan
 
     lengths = np.full(48, 30)
     window = EpochPlan(48, 12, 0, 0).perm[24:36].numpy()  # step 2 of epoch 0
     lengths[window] = 100
-    lines = set()
-    for rank in range(2):
-        bal = _capped(rank, 2, lengths, [1024, 80])
-        bal.set_epoch(0)
-        with pytest.raises(HeteroError) as e:
-            next(iter(bal.sampler))
-        lines.add(str(e.value))
-    assert lines == {"hetero: step 2 of epoch 0 cannot give rank 1 1 row(s) of at most 80 tokens (its max_tokens) "
-                     "beside the ranks holding less: its 12 samples are 100-100 tokens long; raise rank 1's "
-                     "max_tokens or the global batch"}
+    assert _refusals(lengths, [1024, 80]) == {
+        "hetero: step 2 of epoch 0 cannot give rank 1 1 row(s) of at most 80 tokens (its max_tokens) beside the ranks "
+        "holding less: its 12 samples are 100-100 tokens long; raise rank 1's max_tokens or the global batch"}
     lengths[window[0]] = 30  # one short sample in the step: fed
     bal = _capped(0, 2, lengths, [1024, 80])
     bal.set_epoch(0)
@@ -634,16 +640,10 @@ def test_an_epoch_with_a_step_that_cannot_split_within_the_caps_is_refused_befor
     lengths = np.full(48, 20)
     window = EpochPlan(48, 12, 0, 0).perm[24:36].numpy()  # step 2 of epoch 0
     lengths[window] = 90  # 12 x 90 tokens padded: more than 600 + 400
-    lines = set()
-    for rank in range(2):
-        bal = _capped(rank, 2, lengths, [600, 400], m=0)
-        bal.set_epoch(0)
-        with pytest.raises(HeteroError) as e:
-            next(iter(bal.sampler))
-        lines.add(str(e.value))
-    assert lines == {"hetero: step 2 of epoch 0 cannot split its 12 samples (90-90 tokens long, 1080 in all) within "
-                     "the ranks' max_tokens [600, 400] with 1 row(s) each, padded: raise max_tokens, or give "
-                     "micro_batch (a rank's rows in several forwards)"}
+    assert _refusals(lengths, [600, 400], m=0) == {
+        "hetero: step 2 of epoch 0 cannot split its 12 samples (90-90 tokens long, 1080 in all) within the ranks' "
+        "max_tokens [600, 400] with 1 row(s) each, padded: raise max_tokens, or give micro_batch (a rank's rows in "
+        "several forwards)"}
     bal = _capped(0, 2, lengths, [700, 400], m=0)  # 7 + 4 rows of 90: 11 of 12, still short
     bal.set_epoch(0)
     with pytest.raises(HeteroError):

@@ -139,18 +139,43 @@ def _signal_all(proc: subprocess.Popen, marker: str, sig: int) -> list[int]:
     return pids
 
 
+def _start_time(pid: int) -> str | None:
+    """pid's start time (what tells it from a later process given the same pid) while it lives; None once it is a
+    zombie or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
 def stop_launch(proc: subprocess.Popen, marker: str, grace_s: float = 10, kill_wait_s: float = 30) -> None:
     """End every process of the launch: SIGTERM (a chance to record the run as failed), then after grace_s SIGKILL
-    to whatever is left, stopped processes included; wait (up to kill_wait_s) until none is left."""
+    to whatever is left, stopped processes included; wait (up to kill_wait_s) until none is left. A dying process
+    loses its environment (and so its marker) before it is gone, while its memory is torn down: each one found is
+    signalled and waited for by its pid and start time until it is a zombie or gone."""
+    signalled: dict[int, str | None] = {}  # every process of the launch ever found: pid -> start time
+
+    def signal_all(sig: int) -> bool:  # True while any of them lives
+        found = _signal_all(proc, marker, sig)
+        for pid in found:
+            signalled.setdefault(pid, _start_time(pid))
+        left = [pid for pid, t in signalled.items() if t is not None and _start_time(pid) == t]
+        for pid in set(left) - set(found):  # found before, its marker gone since (dying, or it dropped it)
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return proc.poll() is None or bool(left)
+
     if grace_s > 0:
-        _signal_all(proc, marker, signal.SIGTERM)
+        signal_all(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and (proc.poll() is None or launch_pids(marker)):
             time.sleep(0.2)
     deadline = time.monotonic() + kill_wait_s
-    while _signal_all(proc, marker, signal.SIGKILL) or proc.poll() is None:
-        if time.monotonic() > deadline:
-            break
+    while signal_all(signal.SIGKILL) and time.monotonic() < deadline:
         time.sleep(0.1)
     try:
         proc.wait(timeout=5)

@@ -191,12 +191,14 @@ GRID = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_
             scheme="sync", hetero="")
 
 
-def _alive(pid):
+def _started(pid):
+    """pid's start time while it lives (a later process given the same pid has another); None once a zombie or gone"""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+            fields = fh.read().rsplit(")", 1)[1].split()
     except OSError:
-        return False
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 @pytest.mark.slow
@@ -208,7 +210,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
     # 30 s: the run's ranks exist within about 10 s on a loaded host, and rank 1 is stopped 3 s after it appears;
     # the run never ends by itself (1000 epochs), so the timeout is the whole wait (it was 60 s, half of it idle)
     g = hg.plan_grid(grid="t", runs_root=tmp_path, nproc=2, run_timeout_s=30, **{**GRID, "epochs": 1000})
-    seen, stopped = set(), []
+    seen, stopped = {}, []
 
     def stop_rank_1():  # the run's processes carry its folder on their command line
         needle = str(g.runs[0].run_dir).encode()
@@ -217,7 +219,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
             for entry in os.scandir("/proc"):
                 try:
                     if entry.name.isdigit() and needle in open(f"/proc/{entry.name}/cmdline", "rb").read():
-                        seen.add(int(entry.name))
+                        seen.setdefault(int(entry.name), _started(int(entry.name)))
                         if b"RANK=1\0" in open(f"/proc/{entry.name}/environ", "rb").read() and not stopped:
                             time.sleep(3)  # past its start, into training
                             os.kill(int(entry.name), signal.SIGSTOP)
@@ -232,7 +234,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
     assert stopped and len(seen) >= 3  # torchrun and both ranks were seen
     assert table.loc[0, "status"] == "timeout"
     # stop_launch waits until they are gone: nothing may be left once run_grid returns
-    assert [pid for pid in seen if _alive(pid)] == []
+    assert [pid for pid, t in seen.items() if t is not None and _started(pid) == t] == []
 
 
 @pytest.mark.slow

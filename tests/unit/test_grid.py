@@ -83,3 +83,63 @@ def test_error_is_the_root_cause_line(tmp_path):
     log.write_text("hetero: error: --subset 10 is smaller than the global batch 64\nValueError: other\n")
     assert hg._error(tmp_path, log, 2, 10).startswith("hetero: error: --subset 10")
     assert "timed out after 10 s" in hg._error(tmp_path, log, None, 10)
+
+
+# a launch's process that drops its marker once signalled: on SIGTERM it ignores SIGTERM and replaces itself by a
+# sleeper whose environment lacks the marker (exec keeps its pid and start time); it sits in a session of its own,
+# as torchrun's workers do, so the launcher's process group does not reach it either
+CHILD = """
+import os, signal, sys, time
+def drop(*_):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    env = {k: v for k, v in os.environ.items() if k != sys.argv[1]}
+    os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)"], env)
+signal.signal(signal.SIGTERM, drop)
+open(sys.argv[2], "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+LAUNCHER = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], start_new_session=True)
+time.sleep(600)
+"""
+
+
+def _lives(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_a_stopped_launch_leaves_no_process_even_one_that_dropped_its_marker(tmp_path):
+    """stop_launch waits for every process it found, by pid and start time, not only for those that still carry the
+    marker: a dying process loses its environment before it is gone (the grid timeout test once saw a rank alive
+    after run_grid returned), and one that drops the marker is killed all the same."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    from hetero.lab.launch import MARKER, clean_env, launch_pids, stop_launch
+
+    marker, pidfile = uuid.uuid4().hex, tmp_path / "child.pid"
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, CHILD, MARKER, str(pidfile)],
+                            env={**clean_env(), MARKER: marker}, start_new_session=True)
+    child = None
+    try:
+        t0 = time.time()
+        while not pidfile.exists() or not pidfile.read_text():
+            assert time.time() - t0 < 60 and proc.poll() is None
+            time.sleep(0.05)
+        child = int(pidfile.read_text())
+        assert child in launch_pids(marker)
+        stop_launch(proc, marker, grace_s=3, kill_wait_s=20)
+        assert proc.poll() is not None and not _lives(child)
+    finally:
+        for pid in (proc.pid, child):
+            if pid is not None and _lives(pid):
+                os.kill(pid, signal.SIGKILL)

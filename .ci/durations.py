@@ -29,37 +29,37 @@ _SHARED = "a module's shared fixture (one launch, many checks) is timed with its
 _RESTART = "a run killed, stopped or restarted and resumed: two or more launches of torchrun"
 # file::test (parameters dropped): why it may take over LIMIT_S / 2.6. Shorten it, never lengthen it.
 SLOW = {
-    "tests/integration/test_ray_launch.py::test_a_run_resized_through_restarts_keeps_the_global_batch_and_coverage":
+    "tests/integrations/test_ray.py::test_a_run_resized_through_restarts_keeps_the_global_batch_and_coverage":
         _RAY,
-    "tests/integration/test_ray_launch.py::test_a_killed_worker_restarts_the_group_from_the_checkpoint_by_identity":
+    "tests/integrations/test_ray.py::test_a_killed_worker_restarts_the_group_from_the_checkpoint_by_identity":
         _RAY,
-    "tests/integration/test_ray_launch.py::test_example_covers_every_sample_moves_shares_and_equals_one_process_sgd":
+    "tests/integrations/test_ray.py::test_example_covers_every_sample_moves_shares_and_equals_one_process_sgd":
         _RAY,
-    "tests/integration/test_ray_launch.py::test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_union":
+    "tests/integrations/test_ray.py::test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_union":
         _RAY,
-    "tests/integration/test_bench_launch.py::test_bench_quickest": _BENCH,
-    "tests/integration/test_bench_launch.py::test_gpu_check_smoke": _BENCH,
-    "tests/integration/test_bench_launch.py::test_bench_outside_quick_rows_teardown_and_figures":
+    "tests/lab/test_bench.py::test_bench_quickest": _BENCH,
+    "tests/lab/test_bench.py::test_gpu_check_smoke": _BENCH,
+    "tests/lab/test_bench.py::test_bench_outside_quick_rows_teardown_and_figures":
         _BENCH + " (with real CPU quotas and a busy neighbour)",
-    "tests/integration/test_quickstart.py::test_the_quickstart_runs_as_written":
+    "tests/project/test_quickstart.py::test_the_quickstart_runs_as_written":
         "the quickstart page's script and its hetero diff, each under torchrun, as a reader runs them",
-    "tests/integration/test_memory_launch.py::test_probe_on_cpu_ranks_means_no_limit_and_limits_still_hold":
+    "tests/core/test_memory.py::test_probe_on_cpu_ranks_means_no_limit_and_limits_still_hold":
         "the trainer's probe under torchrun, then runs held to --max-batch",
-    "tests/integration/test_ownership.py::test_grid_timeout_ends_every_process_even_a_stopped_rank":
+    "tests/trainer/test_ownership.py::test_grid_timeout_ends_every_process_even_a_stopped_rank":
         "a grid run past its timeout with one rank stopped (SIGSTOP): the timeout itself is the wait",
-    "tests/integration/test_elastic_launch.py::test_step_checkpoint_resumes_mid_epoch_bit_for_bit": _RESTART,
-    "tests/integration/test_elastic_launch.py::test_resume_onto_another_world_size_carries_the_balance": _RESTART,
-    "tests/integration/test_elastic_launch.py::test_losing_a_torchrun_node_mid_epoch_goes_on_with_the_other":
+    "tests/trainer/test_elastic.py::test_step_checkpoint_resumes_mid_epoch_bit_for_bit": _RESTART,
+    "tests/trainer/test_elastic.py::test_resume_onto_another_world_size_carries_the_balance": _RESTART,
+    "tests/trainer/test_elastic.py::test_losing_a_torchrun_node_mid_epoch_goes_on_with_the_other":
         _RESTART + " (two torchrun nodes)",
-    "tests/integration/test_reliability_launch.py::test_replay_then_resume_reproduces_the_original_bit_for_bit":
+    "tests/trainer/test_reliability.py::test_replay_then_resume_reproduces_the_original_bit_for_bit":
         _RESTART,
-    "tests/integration/test_reliability_launch.py::test_killed_worker_fails_fast_and_resume_completes": _RESTART,
-    "tests/integration/test_hf_loss_rule.py::test_one_row_micro_batches_of_one_shape_are_joined_and_told":
+    "tests/trainer/test_reliability.py::test_killed_worker_fails_fast_and_resume_completes": _RESTART,
+    "tests/integrations/test_hf_loss_rule.py::test_one_row_micro_batches_of_one_shape_are_joined_and_told":
         _SHARED + " (90 HF Trainer runs in two ranks)",
-    "tests/integration/test_notebooks_launch.py::test_notebook_outputs_have_no_object_reprs":
+    "tests/lab/test_notebooks.py::test_notebook_outputs_have_no_object_reprs":
         _SHARED + " (the notebooks through papermill)",
-    "tests/integration/test_train_e2e.py::test_output_to_a_file_is_one_line_per_epoch": _SHARED + " (e2e runs)",
-    "tests/integration/test_real_data.py::test_edp_and_sync_on_real_cifar10":
+    "tests/trainer/test_train_e2e.py::test_output_to_a_file_is_one_line_per_epoch": _SHARED + " (e2e runs)",
+    "tests/trainer/test_real_data.py::test_edp_and_sync_on_real_cifar10":
         "two 4-epoch trainer runs on 10,000 real CIFAR-10 images, rank 1 twice slower: learning is under test "
         "(top-1 above 0.35 and EDP within 0.05 of Sync on the 10,000 test images)",
 }

@@ -1,6 +1,6 @@
 """hetero: heterogeneity-aware synchronous data-parallel training (Sync-SGD, DP-SGD, EDP-SGD and beyond).
 
-Four layers (tests/unit/test_layers.py holds the import rules; the module map is docs/api.md#modules):
+Four layers (tests/project/test_layers.py holds the import rules; the module map is docs/api.md#modules):
 - hetero.core: the library (Balance, its sampler, comm hook, balancers and partition maths); torch and numpy only.
 - hetero.integrations: the core inside other engines' loops (Lightning, Hugging Face, Accelerate, Ray); the
   core only.

@@ -2,7 +2,7 @@
 `diff -u examples/A.py examples/B.py` is that diff (module docstrings left out, unified, 3 lines of context).
 
     python scripts/example_diffs.py           # rewrite the blocks in docs/*.md
-    python scripts/example_diffs.py --check   # exit 1 naming each stale block (tests/unit/test_names.py runs it)
+    python scripts/example_diffs.py --check   # exit 1 naming each stale block (tests/project/test_names.py runs it)
 """
 from __future__ import annotations
 

@@ -17,7 +17,9 @@ from torch.utils.data import Dataset
 
 from hetero.core.balancer import Balancer
 from hetero.core.partition import SCHEMES
-from hetero.lab.launch import ROOT, clean_env, torchrun_cmd
+
+# the launch helpers the tests use, from here only (tests/*/ import them from helpers, not from hetero.lab)
+from hetero.lab.launch import MARKER, ROOT, clean_env, free_port, launch_pids, torchrun_cmd  # noqa: F401
 from hetero.trainer.config import Config
 from hetero.trainer.run import main
 
@@ -94,7 +96,6 @@ def spawned(worker, out: Path, nprocs: int = 2, args: tuple = ()) -> list[dict]:
     file, must not inherit them)."""
     import torch.multiprocessing as mp
 
-    from hetero.lab.launch import free_port
 
     _server()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}

@@ -1,6 +1,6 @@
 """The library: per-rank batch sizes by measured speed, the exact global-batch gradient, and the maths behind them.
 
-Imports nothing from hetero.trainer or hetero.lab (tests/unit/test_layers.py checks it); needs torch and numpy only.
+Imports nothing from hetero.trainer or hetero.lab (tests/project/test_layers.py checks it); needs torch and numpy only.
 - partition, balancer: pure maths (numpy): shares, sizes and the rebalancing rules.
 - balance: the Balance, the public front (the user's verbs); beneath it, called top-down only: engine (one step's
   protocol and every door's checks; the extension surface), plan (sizes per position, the position, the decision

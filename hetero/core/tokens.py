@@ -17,7 +17,7 @@ pads least); the smallest T at which every sample is placed is found by bisectio
 placed jumps. The orders of the ranks tried: every order for padded rows on up to 3 ranks, else fastest first and
 slowest first (the ranks that can hold the longest rows always first). Packed rows also try a longest-first greedy
 onto the rank that would finish first, then improve the best by moving or swapping single samples off the slowest
-rank. tests/unit/test_tokens.py measures the result against the exhaustive optimum on small steps (padded: equal on
+rank. tests/core/test_tokens.py measures the result against the exhaustive optimum on small steps (padded: equal on
 every case tried; packed: within 15%) and against the fluid lower bound on steps of 128-512 (packed: within 0.1%).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ checkpoint; the seconds from the kill to the survivor's first step in its new wo
 The agent settings are AGENT (docs/elastic.md says why each): the rendezvous notices a dead node after
 keep_alive_interval x keep_alive_max_attempt seconds without its heartbeat, then waits last_call_timeout for more
 nodes before the new round completes; the agent looks at its workers every monitor_interval. The tests reuse the
-two-agent launch (tests/integration/test_elastic_launch.py); they assert what the survivor does, never the seconds.
+two-agent launch (tests/trainer/test_elastic.py); they assert what the survivor does, never the seconds.
 """
 from __future__ import annotations
 

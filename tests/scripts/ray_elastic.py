@@ -4,7 +4,7 @@ The group starts on the head node alone (1 worker); a second node joins and Ray 
 resize check (every 5 s here); then that node is removed (its raylet and its worker die: a node lost) and Ray goes on
 with 1 worker from the last checkpoint. Each node's workers are named by HETERO_WORKER_ID (two nodes on one host
 have the same host and local rank). Each start writes its steps (RECORD.startS.rankR.jsonl) and this driver the times
-of its events (events.json); tests/integration/test_ray_launch.py checks them.
+of its events (events.json); tests/integrations/test_ray.py checks them.
 
     PYTHONPATH=tests/raystub:.:examples python tests/scripts/ray_elastic.py OUT_DIR
 """

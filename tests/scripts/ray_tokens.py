@@ -1,7 +1,7 @@
 """Ray Train split by tokens (issue 49): two CPU workers of a local Ray cluster (TorchTrainer, gloo) run an epoch of
 documents of 1-512 tokens with Balance(collator=..., loss_mean="tokens"), padded then packed, worker 1 delayed 20 ms
 a step so the fitted costs move the split. Each worker writes its rows and the parameters after each step
-(OUT/rank{r}.json); tests/integration/test_ray_launch.py compares them with one process on the unpacked union.
+(OUT/rank{r}.json); tests/integrations/test_ray.py compares them with one process on the unpacked union.
 
     PYTHONPATH=tests/raystub:.:tests python tests/scripts/ray_tokens.py OUT_DIR
 """

@@ -1,0 +1,364 @@
+"""The DeepSpeed door's parts that need no engine (hetero/core/deepspeed.py), and the doors that refuse DeepSpeed.
+
+The launches: the DeepSpeed door (hetero.core.deepspeed): `bal.attach(engine)` on the engine deepspeed.initialize
+returns, ZeRO 0-3 on 2 CPU ranks (gloo, DS_ACCELERATOR=cpu), against one DeepSpeed process on the union of every
+step's samples (the same config, world 1), after one and after three steps. One torchrun launch runs every exactness
+case, the clock cases and the refusals at attach (tests/scripts/deepspeed_exact.py); one single-process launch runs
+their references; a refusal inside a step ends its launch, so each has its own."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import namedtuple
+from types import SimpleNamespace
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from hetero.core.deepspeed import _rows, _tensors, is_engine
+
+from helpers import ROOT, bounded, clean_env
+
+
+def test_a_padded_micro_batch_is_the_first_row_of_every_tensor_that_has_the_micro_batchs_rows():
+    """ZeRO-3's padding reruns the last micro-batch cut to one sample: tensors whose first dimension is m (4 here)
+    are cut in dicts, lists, tuples and named tuples alike; others (a mask of another size, a scalar, a string) pass."""
+    Pair = namedtuple("Pair", "a b")
+    batch = {"input_ids": torch.arange(8).view(4, 2), "mask": torch.ones(3, 4), "scale": torch.tensor(2.0),
+             "nested": [torch.zeros(4, 1), Pair(torch.ones(4), "name")]}
+    cut = _rows(batch, 4)
+    assert cut["input_ids"].tolist() == [[0, 1]] and cut["mask"].shape == (3, 4) and cut["scale"].item() == 2.0
+    assert cut["nested"][0].shape == (1, 1) and isinstance(cut["nested"][1], Pair)
+    assert cut["nested"][1].a.shape == (1,) and cut["nested"][1].b == "name"
+
+
+def test_the_padding_backpropagates_from_the_first_floating_output_with_a_gradient_path():
+    x = torch.ones(2, requires_grad=True)
+    out = {"loss": (x * 2).sum(), "ids": torch.arange(3), "logits": [x * 3], "frozen": torch.ones(2)}
+    found = _tensors(out)
+    assert len(found) == 2 and found[0] is out["loss"] and found[1] is out["logits"][0]
+
+
+def test_a_module_is_no_deepspeed_engine_and_needs_no_deepspeed_to_say_so():
+    assert not is_engine(torch.nn.Linear(2, 2))
+
+
+class FakeEngine:
+    """What refusal() reads of a DeepSpeed engine, set to a supported ZeRO-2 engine of 2 ranks."""
+    coalesce_grad_reduction = training_dataloader = None
+    dp_world_size = 2
+    optimizer = SimpleNamespace(_coalesce_grad_reduction=False)
+
+    def step(self):
+        pass
+
+    def is_deepcompile_enabled(self):
+        return False
+
+    def gradient_accumulation_steps(self):
+        return 1
+
+    def managed_gradient_accumulation(self):
+        return True
+
+    def zero_optimization_stage(self):
+        return 2
+
+
+@pytest.mark.parametrize("change, line", [
+    ({}, None),
+    ({"dp_world_size": 1}, "DeepSpeed's data-parallel group has 1 of the 2 ranks (model or sequence parallelism)"),
+    ({"gradient_accumulation_steps": lambda self: 4}, "DeepSpeed's gradient_accumulation_steps is 4: hetero decides"),
+    ({"managed_gradient_accumulation": lambda self: False}, "managed_gradient_accumulation is false"),
+    ({"training_dataloader": object()}, "deepspeed.initialize was given training_data"),
+    ({"optimizer": None}, "the DeepSpeed engine has no optimizer"),
+    ({"optimizer": SimpleNamespace()}, "DeepSpeed's optimizer wrapper SimpleNamespace cannot keep a step's backwards"),
+])
+def test_each_engine_setting_hetero_cannot_weight_is_one_line(change, line):
+    """The refusals at attach that a launch does not reach (tests/core/test_deepspeed.py reaches
+    gas, training_data, DeepCompile, ZeRO-0's bf16 wrapper and a second Balance), on a stand-in engine."""
+    pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
+    from hetero.core.deepspeed import refusal
+
+    engine = type("Engine", (FakeEngine,), change)()
+    got = refusal(engine, 2)
+    assert got is None if line is None else got.startswith(line), got
+
+
+def test_the_hf_trainers_engine_may_accumulate_in_its_config_and_no_other():
+    """gradient_accumulation_steps G in the config is refused in an own loop (DeepSpeed would divide the loss by it
+    and count the boundary), and taken from the HF Trainer (hosted), which turns both off."""
+    pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
+    from hetero.core.deepspeed import hosted, refusal
+
+    own, trainers = (type("Engine", (FakeEngine,), {"gradient_accumulation_steps": lambda self: 4})()
+                     for _ in range(2))
+    hosted(trainers)
+    assert refusal(own, 2).startswith("DeepSpeed's gradient_accumulation_steps is 4") and refusal(trainers, 2) is None
+
+
+# the cases that launch processes
+needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="the [deepspeed] extra is not installed")
+SCRIPT = str(ROOT / "tests" / "scripts" / "deepspeed_exact.py")
+EXAMPLES = ROOT / "examples"
+# the examples' slow rank: 3x slower and 0.05 s a step more, a signal no busy host hides (a verdict on the host's
+# speed otherwise: a loaded .ci/run kept even splits where the 3x alone was the signal)
+HETERO = "1:slowdown=3,1:delay=0.05"
+
+EXACT = [f"{stage}:{mode}:sgd" for stage in range(4) for mode in ("micro", "batch")] + [
+    "0:batch:adamw", "1:micro:adamw", "2:micro:adamw", "3:micro:adamw",
+    "0:micro:sgd:sum", "2:micro:adamw:sum",  # gradient_allreduce_op "sum" (ZeRO 0-2): DeepSpeed divides by nothing
+    "1:micro:sgd:pair", "3:micro:adamw:pair"]  # a model returning its loss and logits, as a Hugging Face one
+BROKEN = ["1:micro:sgd:double", "2:batch:sgd:remove", "3:micro:sgd:double"]  # each must miss the reference
+EQUAL = ["2:micro:sgd:equal"]  # even counts: the check that the unequal split ran must see it
+CLOCK = ["0:clock:sgd", "1:clock:sgd", "2:clock:sgd", "3:clock:sgd"]
+AT_ATTACH = ["1:batch:sgd:gas", "2:micro:sgd:data", "0:batch:sgd:bf16", "2:batch:sgd:deepcompile", "3:batch:sgd:again"]
+BF16 = ["1:batch:sgd:bf16", "2:micro:sgd:bf16", "3:micro:sgd:bf16"]  # bf16 parameters, fp32 master weights
+RESUMED = ["0:resume:sgd", "2:resume:adamw", "3:resume:sgd"]
+
+
+def _torchrun(nproc: int, *args: str, script: str = SCRIPT):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           f"--log-dir={os.devnull}", script, *map(str, args)]
+    env = {**clean_env(threads="1"), "DS_ACCELERATOR": "cpu"}
+    return bounded(cmd, env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case's ranks and reference records: {case: (rank 0, rank 1, reference or None)}."""
+    out = tmp_path_factory.mktemp("deepspeed") / "rec"
+    cases = EXACT + BROKEN + EQUAL + CLOCK + AT_ATTACH + RESUMED + BF16
+    p = _torchrun(2, out, *cases)
+    assert p.returncode == 0, p.stderr[-6000:]
+    trained = EXACT + BROKEN + EQUAL + CLOCK + RESUMED + BF16
+    p = _torchrun(1, out, "--ref", *trained)
+    assert p.returncode == 0, p.stderr[-6000:]
+
+    def read(case, who):
+        return json.loads(out.with_name(f"rec.{case.replace(':', '-')}.{who}.json").read_text())
+    return {c: (read(c, "rank0"), read(c, "rank1"), read(c, "ref") if c in trained else None) for c in cases}
+
+
+def _off(rank: dict, ref: dict) -> float:
+    return max(float(np.abs(np.array(a) - np.array(b)).max()) for a, b in zip(rank["params"], ref["params"]))
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", EXACT)
+def test_every_zero_stage_is_one_deepspeed_process_on_the_union_after_one_and_three_steps(runs, case):
+    """Unequal work (sizes [3, 13], or micro-batches of 4 with counts [1, 3]): both ranks' parameters equal the
+    single-process DeepSpeed run on each step's union, after step 1 and step 3, and are the same on both ranks."""
+    r0, r1, ref = runs[case]
+    assert r0["params"] == r1["params"], "the replicas drifted apart"
+    assert _off(r0, ref) < 1e-6
+    union = [sorted(a + b) for a, b in zip(r0["steps"], r1["steps"])]
+    assert all(len(u) == len(set(u)) == 16 for u in union)                      # every step: 16 samples, once each
+    assert _unequal(case, r0)                                                   # the unequal split really ran
+    assert r0["ds_global_steps"] == 3 and r0["ds_global_samples"] == 48         # train_batch_size 16: true counts
+
+
+def _unequal(case: str, rank0: dict) -> bool:
+    """Rank 0 drew the replayed unequal share every step: 4 samples (k = 1 of 4) or 3."""
+    return [len(s) for s in rank0["steps"]] == [4 if case.split(":")[1] == "micro" else 3] * 3
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+def test_negative_control_even_counts_fail_the_unequal_split_check(runs):
+    """Counts [2, 2] in place of [1, 3]: exact too (the union is the same), but the check that rank 0 ran its one
+    micro-batch sees the even split, so the exactness cases above cannot pass on an even split by accident."""
+    r0, _, ref = runs[EQUAL[0]]
+    assert _off(r0, ref) < 1e-6 and not _unequal(EQUAL[0], r0)
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BF16)
+def test_bf16_on_zero_1_to_3_is_the_single_process_run_to_one_bf16_rounding(runs, case):
+    """bf16 (DeepSpeed's fp32 master weights, bf16 module parameters): the replicas stay identical and within one
+    bf16 step of the single-process run at these magnitudes (2e-3 near 0.4; the negative controls miss by 4e-2)."""
+    r0, r1, ref = runs[case]
+    assert r0["params"] == r1["params"] and _off(r0, ref) < 4e-3
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_run_resumed_from_a_deepspeed_checkpoint_goes_on_exactly_where_it_stopped(runs, case):
+    """Two steps, engine.save_checkpoint with hetero's state in client_state, a new engine and Balance that load it
+    and run the third step: the parameters equal the uninterrupted single-process run (AdamW's moments included),
+    and the epoch's three steps drew 48 different samples (the resumed sampler starts at step 2)."""
+    r0, r1, ref = runs[case]
+    assert r0["params"] == r1["params"] and _off(r0, ref) < 1e-6
+    drawn = [i for r in (r0, r1) for step in r["steps"] for i in step]
+    assert len(drawn) == len(set(drawn)) == 48
+    assert r0["ds_global_steps"] == 3
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", BROKEN)
+def test_negative_controls_miss_the_reference(runs, case):
+    """A doubled weight on one rank, or the mean of the ranks' means (no b_i/B): the same harness sees the error."""
+    r0, r1, ref = runs[case]
+    assert _off(r0, ref) > 1e-3
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CLOCK)
+def test_the_clock_counts_a_slow_ranks_delay_as_its_compute_and_as_the_others_wait(runs, case):
+    """Rank 1 sleeps 1 s a step where its gradients are ready: its compute holds the second, rank 0's wait in the
+    one reduction holds it, and rank 0's compute does not (ZeRO-3's gathers do not hide it either)."""
+    r0, r1, _ = runs[case]
+    for fast, slow in zip(r0["clock"], r1["clock"]):
+        assert slow["delay_s"] >= 1.0 and slow["compute_s"] >= 1.0
+        assert fast["delay_s"] == 0 and fast["wait_s"] > 0.5 and fast["compute_s"] < 0.5
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("case, line", [
+    ("1:batch:sgd:gas", "DeepSpeed's gradient_accumulation_steps is 2: hetero decides each rank's micro-batches"),
+    ("2:micro:sgd:data", "deepspeed.initialize was given training_data: hetero's sampler feeds the engine"),
+    ("0:batch:sgd:bf16", "ZeRO stage 0 with DeepSpeed's FP16_UnfusedOptimizer (fp16/bf16) is not supported"),
+    ("2:batch:sgd:deepcompile", "DeepCompile reduces gradients in its compiled graph: turn compile.deepcompile off"),
+    ("3:batch:sgd:again", "this DeepSpeed engine has a Balance attached already: one Balance per engine")])
+def test_configs_hetero_cannot_weight_are_refused_at_attach_on_every_rank(runs, case, line):
+    r0, r1, _ = runs[case]
+    assert r0["refused"] == r1["refused"] and r0["refused"].startswith(line)
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("case, line", [
+    ("2:micro:sgd:twice", "hetero: engine.step() ran twice in step 0 of epoch 0 on rank "),
+    ("0:micro:sgd:outside", "hetero: engine.step() ran outside `with bal.step()`: call it inside"),
+    ("3:batch:sgd:missing", "hetero: step 0 of epoch 0 ended on rank "),
+    ("3:micro:sgd:early", "hetero: engine.step() ran before engine.backward(loss) in step 0 of epoch 0 on rank 0"),
+    ("2:batch:sgd:torch", "hetero: a backward ran outside engine.backward(loss) in step 0 of epoch 0 on rank ")])
+def test_a_loop_that_steps_the_engine_wrongly_stops_every_rank_with_one_line(tmp_path, case, line):
+    """Twice in a step, after the block, never, or before the backward (under ZeRO-3 rank 1's gathers then fail: it says
+    rank 0's line), or a backward that bypasses engine.backward (its loss unweighted): every rank stops with hetero's
+    line, none with DeepSpeed's assertion or a hang."""
+    p = _torchrun(2, tmp_path / "rec", case)
+    assert p.returncode != 0
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: ")]
+    assert len(said) == 2 and all(ln.startswith(line) for ln in said), p.stderr[-4000:]
+    assert "]: Traceback" not in p.stderr and "AssertionError" not in p.stderr  # no rank's traceback
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """examples/deepspeed_lm_baseline.py, the diff's other side: a plain DeepSpeed loop, two epochs."""
+    rec = tmp_path_factory.mktemp("baseline") / "rec"
+    p = _torchrun(2, "--record", rec, script=str(EXAMPLES / "deepspeed_lm_baseline.py"))
+    assert p.returncode == 0, p.stderr[-6000:]
+    return [json.loads(rec.with_name(f"rec.rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+def test_the_baseline_example_covers_every_row_once_an_epoch_and_learns(baseline):
+    for epoch in ("0", "1"):
+        assert sorted(baseline[0]["seen"][epoch] + baseline[1]["seen"][epoch]) == list(range(320))
+    assert baseline[0]["losses"] == baseline[1]["losses"] and baseline[0]["losses"][1] < baseline[0]["losses"][0]
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [["--zero", "3", "--micro-batch", "4"], ["--zero", "0"]], ids=["zero3-micro", "zero0"])
+def test_the_example_covers_every_row_once_gives_the_slow_rank_less_and_learns_like_the_baseline(tmp_path, baseline,
+                                                                                                 args):
+    """examples/deepspeed_lm.py as the docs run it (a tiny GPT-2, rank 1 emulated slower): every row once per
+    epoch over both ranks, the decisions give rank 1 well under half (ZeRO-3's padded micro-batches included: the
+    ranks' gathers stay aligned, no hang), and the epochs' mean loss within 10% of the plain DeepSpeed script's."""
+    rec = tmp_path / "rec"
+    p = _torchrun(2, "--record", rec, "--hetero", HETERO, *args, script=str(EXAMPLES / "deepspeed_lm.py"))
+    assert p.returncode == 0, p.stderr[-6000:]
+    ranks = [json.loads(rec.with_name(f"rec.rank{r}.json").read_text()) for r in range(2)]
+    for epoch in ("0", "1"):
+        assert sorted(ranks[0]["seen"][epoch] + ranks[1]["seen"][epoch]) == list(range(320)), epoch
+    last = ranks[0]["decisions"][-1]["sizes"]
+    assert last == ranks[1]["decisions"][-1]["sizes"] and last[1] < 0.4 * sum(last)
+    losses, base = ranks[0]["losses"], baseline[0]["losses"]
+    assert losses[1] < losses[0] and abs(losses[1] - base[1]) < 0.1 * base[1]
+
+
+def _lines(path) -> dict[int, list[int]]:
+    """A rank's per-batch log: {global step: the step's sample indices}."""
+    steps: dict[int, list[int]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).extend(row["idx"])
+    return steps
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+def test_a_run_killed_after_a_mid_epoch_checkpoint_resumes_with_its_shares_and_covers_every_row_once(tmp_path):
+    """examples/deepspeed_lm.py on ZeRO-3 with micro-batches of 4, a DeepSpeed checkpoint every 4 steps (hetero's
+    state in its client_state), SIGKILLed (torchrun and both ranks) once both ranks have logged a step past the first
+    checkpoint (step 4 of the 10 in epoch 0), then run again with --resume: the resumed run repeats the steps the
+    killed one ran past the checkpoint with the same samples on the same ranks (the shares carried from its first
+    step, the slow rank's under an even half), and each epoch's rows, counted from the killed run before the
+    checkpoint and the resumed run after it, are every row exactly once."""
+    ckpt, env = tmp_path / "ckpt", {**clean_env(threads="1"), "DS_ACCELERATOR": "cpu", "PYTHONFAULTHANDLER": "1"}
+    common = ["--zero", "3", "--micro-batch", "4", "--rebalance-every", "2", "--hetero", "1:slowdown=3,1:delay=0.3",
+              "--checkpoint-dir", str(ckpt), "--save-every", "4"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           f"--log-dir={os.devnull}", str(EXAMPLES / "deepspeed_lm.py"), *common]
+    with open(tmp_path / "killed.err", "w") as err:
+        p = subprocess.Popen([*cmd, "--record", str(tmp_path / "killed")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=err, start_new_session=True)
+        logs, deadline = [tmp_path / f"killed.rank{r}.steps.jsonl" for r in range(2)], time.monotonic() + 400
+        try:  # until both ranks have logged a batch of step 5: step 4 is whole in both logs
+            while not ((ckpt / "latest").exists() and all(f.exists() and max(_lines(f), default=0) >= 5 for f in logs)):
+                assert p.poll() is None, (tmp_path / "killed.err").read_text()[-4000:]
+                assert time.monotonic() < deadline, "no checkpoint and step past it in time"
+                time.sleep(0.05)
+        finally:  # the job killed whole, as a scheduler or the OOM killer does: torchrun starts each rank in a
+            tree = [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]  # session of its own
+            for proc in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+            p.wait(timeout=60)
+            _, alive = psutil.wait_procs(tree[1:], timeout=60)  # SIGKILL lands in its time: gone, not at once
+            assert not alive, alive
+    saved = int((ckpt / "latest").read_text().strip().removeprefix("global_step"))
+    q = bounded([*cmd, "--resume", "--record", str(tmp_path / "resumed")], env, timeout=600)
+    assert q.returncode == 0, q.stderr[-6000:]
+    killed = [_lines(tmp_path / f"killed.rank{r}.steps.jsonl") for r in range(2)]
+    resumed = [_lines(tmp_path / f"resumed.rank{r}.steps.jsonl") for r in range(2)]
+    assert saved in (4, 8, 12, 16) and min(resumed[0]) == saved and max(resumed[0]) == 19  # on from the checkpoint
+    # (the first one, step 4, unless a loaded host let the killed run go on before the kill)
+    repeated = [g for g in killed[0] if g >= saved]
+    assert repeated and all(killed[r][saved] == resumed[r][saved] for r in range(2))  # its first step, whole
+    for r in range(2):  # the kill lands mid-step: what the killed run did of a step is how the resumed one began it
+        assert all(resumed[r][g][:len(killed[r].get(g, []))] == killed[r].get(g, []) for g in repeated)
+    assert len(resumed[1][saved]) < len(resumed[0][saved])                        # the slow rank's share, carried
+    for epoch in range(2):
+        rows = [i for r in range(2) for part in (killed[r], resumed[r]) for g, idx in part.items()
+                if g // 10 == epoch and (part is resumed[r]) == (g >= saved) for i in idx]
+        assert sorted(rows) == list(range(320)), epoch

@@ -34,11 +34,13 @@ import numpy as np
 
 from ..core import safeio
 from ..core.tokens import Cost, split, times
-from . import hfbench
+from . import hfbench, tokensim
 from .launch import clean_env, torchrun_cmd
 from .measure import launch
 
 COLUMNS = ("plain", "batch_rebalance", "samples", "tokens")
+POLICY = {"plain": "equal", "batch_rebalance": "batch_rebalance", "samples": "samples", "tokens": "tokens"}  # tokensim
+REPLAY_SEEDS = 16  # draws of the noise per replayed run
 ROWS = {"equal": 1.0, "rank 1 3x slower": 3.0}
 COLLATORS = ("padded", "packed")
 PER_RANK, VOCAB, LONGEST, MEDIAN, REBALANCE_EVERY = 8, 64, 1024, 64, 4
@@ -197,14 +199,33 @@ def summarise(ranks: list[dict]) -> list[dict]:
         cells = {c: [_steps(ranks, key, c, i, cost, fits) for i in range(len(v))]
                  for c, v in ranks[0]["runs"][key].items()}
         overhead = float(np.median(np.concatenate([s - p.max(1) for runs in cells.values() for s, p, _ in runs])))
+        noise = jitter([(s, p) for runs in cells.values() for s, p, _ in runs], overhead)
         for column, runs in cells.items():
             a = np.array([(s.sum() / (b + overhead).sum(), float(np.mean(s[:, None] - p)), float(np.mean(p.max(1) / b)))
                           for s, p, b in runs])
+            sim = [tokensim.replay(_unions(ranks, key, column, i), fits[:, 0], fits[:, 1], cost, POLICY[column],
+                                   REBALANCE_EVERY, overhead, noise, timed_from=WARMUP, seeds=REPLAY_SEEDS)["simulated"]
+                   for i in range(len(runs))]
             out.append({"collator": collator, "ranks": row, "column": column, "over_ideal": float(np.median(a[:, 0])),
                         "spread": float(a[:, 0].max() - a[:, 0].min()), "wait_ms": 1e3 * float(np.median(a[:, 1])),
                         "misallocation": float(np.median(a[:, 2])), "overhead_ms": 1e3 * overhead,
-                        "cost_ratio": float(fits[1, 1] / fits[0, 1]), "attention": weight, "runs": len(a)})
+                        "cost_ratio": float(fits[1, 1] / fits[0, 1]), "attention": weight, "runs": len(a),
+                        "simulated": float(np.median(sim)), "noise": noise})
     return out
+
+
+def _unions(ranks: list[dict], key: str, column: str, i: int) -> list[np.ndarray]:
+    """Run i of a column: every step's samples (their lengths, rank by rank) from its first step."""
+    runs = [r["runs"][key][column][i] for r in ranks]
+    return [np.concatenate([np.asarray(r["lengths"][s], np.int64) for r in runs])
+            for s in range(min(len(r["lengths"]) for r in runs))]
+
+
+def jitter(cells: list[tuple[np.ndarray, np.ndarray]], overhead: float) -> float:
+    """The noise the replay draws: the sd of log(measured compute / predicted), a step's compute being its measured
+    time less the overhead and its prediction the slowest rank's (steps whose compute comes out <= 0 left out)."""
+    ratios = np.concatenate([(s - overhead) / p.max(1) for s, p in cells])
+    return float(np.std(np.log(ratios[ratios > 0])))
 
 
 def measure(out: Path, runs: int, steps: int, notes: list[str]) -> dict | None:
@@ -231,6 +252,10 @@ def checks(table: list[dict]) -> list[dict]:
     batch_rebalance beyond its spread; with a slow rank ahead of every other column."""
     out = []
     cell = {(r["collator"], r["ranks"], r["column"]): r for r in table}
+    if replayed := [r for r in table if "simulated" in r]:
+        worst = max(abs(r["simulated"] - r["over_ideal"]) for r in replayed)
+        out.append({"target": "tokens: simulated time / ideal within 0.05 of the measured, every cell (worst)",
+                    "value": worst, "pass": worst <= 0.05})
     for collator, row in {(r["collator"], r["ranks"]) for r in table}:
         t = cell[(collator, row, "tokens")]
         out.append({"target": f"tokens <= 1.10 x ideal ({collator}, {row})", "value": t["over_ideal"],
@@ -269,6 +294,14 @@ def section(tk: dict) -> list[str]:
     lines += markdown_table(["collator", "ranks", "rank 1's per-token cost / rank 0's", *columns], body)
     lines += ["", "Overhead per step outside the compute (in the ideal): " + ", ".join(
         f"{k[0]} {k[1]} {v['overhead_ms']:.1f} ms" for k, v in first.items()), ""]
+    if all("simulated" in r for r in rows):
+        lines += ["Each run replayed in the simulator (hetero.lab.tokensim.replay: its own steps' samples, the "
+                  "calibrated costs, the overhead and the jitter fitted from its steps): measured / simulated time "
+                  "over the ideal:", ""]
+        body = [[*key, f"{first[key]['noise']:.3f}"] + [f"{c['over_ideal']:.3f} / {c['simulated']:.3f}" for c in
+                                                       (r for r in rows if (r["collator"], r["ranks"]) == key)]
+                for key in first]
+        lines += markdown_table(["collator", "ranks", "jitter (log sd)", *columns], body) + [""]
     return lines
 
 

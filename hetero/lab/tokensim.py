@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.balancer import Balancer
+from ..core.settings import Settings
 from ..core.tokens import Cost, CostModel, split, times
 
 POLICIES = ("equal", "batch_rebalance", "samples", "tokens")
@@ -64,29 +65,27 @@ def _rows(policy: str, lengths: np.ndarray, world: int, model: CostModel, counts
     return split(lengths, *model.coefficients(), cost)
 
 
-def simulate(sc: TokenScenario, policy: str, global_batch: int, steps: int, rebalance_every: int = 10,
-             seed: int = 0) -> dict:
-    """One policy over `steps` steps; the same seed draws the same lengths and noise for every policy. Returns the
-    total time, the ideal's, the mean wait per step (the slowest rank's time less the mean) and each rank's mean
-    share of the tokens."""
+def _play(steps: list[np.ndarray], fixed_s: np.ndarray, per_unit_s: np.ndarray, cost: Cost, policy: str,
+          rebalance_every: int, noise: np.ndarray, counts_rule: str = "affine") -> tuple[np.ndarray, ...]:
+    """One policy over the given steps (each step's lengths), rank i's compute fixed_s_i + per_unit_s_i x work times
+    noise[s, i]: every step's ranks' times [steps, world], the ideal split's [steps, world] under the same noise, and
+    each rank's tokens [world]. The policy learns as hetero does: from the ranks' times every rebalance_every steps
+    (by counts: a Balancer of `counts_rule` with a Balance's default settings)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
-    rng = np.random.default_rng(seed)
-    W = sc.world
-    lengths = sc.lengths(rng, steps * global_batch)
-    noise = np.exp(sc.noise * rng.standard_normal((steps, W)) - sc.noise ** 2 / 2)
+    W = fixed_s.size
     model = CostModel(W)
-    counts_bal = Balancer("affine", W, global_batch)
+    d = Settings(global_batch=len(steps[0]))
+    counts_bal = Balancer(counts_rule, W, d.global_batch, d.min_batch, smoothing=d.smoothing, deadband=d.deadband,
+                          significance=d.significance)
     work_w, time_w, size_w = [], [], []
-    total = ideal = wait = 0.0
-    tokens = np.zeros(W)
-    for s in range(steps):
-        L = lengths[s * global_batch:(s + 1) * global_batch]
-        rows = _rows(policy, L, W, model, counts_bal.sizes_for_step(s), sc.cost)
-        work = np.array([sc.cost.work(L[p]) for p in rows])
-        t = np.where([len(p) > 0 for p in rows], sc.fixed_s + sc.per_unit_s * work, 0.0) * noise[s]
-        best = times(L, split(L, sc.fixed_s, sc.per_unit_s, sc.cost), sc.fixed_s, sc.per_unit_s, sc.cost) * noise[s]
-        total, ideal, wait = total + t.max(), ideal + best.max(), wait + t.max() - t.mean()
+    took, best, tokens = [], [], np.zeros(W)
+    for s, L in enumerate(steps):
+        rows = _rows(policy, L, W, model, counts_bal.sizes_for_step(s), cost)
+        work = np.array([cost.work(L[p]) for p in rows])
+        t = np.where([len(p) > 0 for p in rows], fixed_s + per_unit_s * work, 0.0) * noise[s]
+        took.append(t)
+        best.append(times(L, split(L, fixed_s, per_unit_s, cost), fixed_s, per_unit_s, cost) * noise[s])
         tokens += [L[p].sum() for p in rows]
         work_w.append(work)
         time_w.append(t)
@@ -98,8 +97,46 @@ def simulate(sc: TokenScenario, policy: str, global_batch: int, steps: int, reba
                 counts_bal.observe(np.array(size_w), np.array(time_w))
                 counts_bal.decide()
             work_w, time_w, size_w = [], [], []
+    return np.array(took), np.array(best), tokens
+
+
+def simulate(sc: TokenScenario, policy: str, global_batch: int, steps: int, rebalance_every: int = 10,
+             seed: int = 0) -> dict:
+    """One policy over `steps` steps; the same seed draws the same lengths and noise for every policy. Returns the
+    total time, the ideal's, the mean wait per step (the slowest rank's time less the mean) and each rank's mean
+    share of the tokens."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}")
+    rng = np.random.default_rng(seed)
+    W = sc.world
+    lengths = sc.lengths(rng, steps * global_batch)
+    noise = np.exp(sc.noise * rng.standard_normal((steps, W)) - sc.noise ** 2 / 2)
+    took, best, tokens = _play([lengths[s * global_batch:(s + 1) * global_batch] for s in range(steps)], sc.fixed_s,
+                               sc.per_unit_s, sc.cost, policy, rebalance_every, noise)
+    total, ideal = took.max(1).sum(), best.max(1).sum()
     return {"policy": policy, "over_ideal": total / ideal, "step_s": total / steps, "ideal_step_s": ideal / steps,
-            "wait_s": wait / steps, "token_shares": (tokens / tokens.sum()).tolist()}
+            "wait_s": float((took.max(1) - took.mean(1)).mean()), "token_shares": (tokens / tokens.sum()).tolist()}
+
+
+def replay(steps: list, fixed_s, per_unit_s, cost: Cost, policy: str, rebalance_every: int, overhead_s: float,
+           noise: float, timed_from: int = 0, seeds: int = 32, counts_rule: str = "proportional") -> dict:
+    """A measured run replayed in simulation: its own steps (each step's lengths as the run drew them), every rank's
+    cost as calibrated, the step's overhead outside the ranks' compute, and lognormal noise of `noise` (log sd, mean
+    1) on each rank's compute per step, under the run's policy, learning as it did. The figure is the bench's: the
+    steps from `timed_from` on, time over the ideal (the best split of each step's samples under the calibrated costs,
+    no noise, plus the overhead), as the mean over `seeds` draws of the noise, with their sd."""
+    steps = [np.asarray(L, np.int64) for L in steps]
+    fixed_s, per_unit_s = np.asarray(fixed_s, float), np.asarray(per_unit_s, float)
+    calm = np.ones((len(steps), fixed_s.size))
+    ideal = (_play(steps, fixed_s, per_unit_s, cost, "tokens", rebalance_every, calm)[1].max(1) + overhead_s)
+    ideal = ideal[timed_from:].sum()
+    out = []
+    for seed in range(seeds):
+        rng = np.random.default_rng(seed)
+        draw = np.exp(noise * rng.standard_normal(calm.shape) - noise ** 2 / 2)
+        took = _play(steps, fixed_s, per_unit_s, cost, policy, rebalance_every, draw, counts_rule)[0]
+        out.append((took.max(1) + overhead_s)[timed_from:].sum() / ideal)
+    return {"simulated": float(np.mean(out)), "simulated_sd": float(np.std(out)), "seeds": seeds}
 
 
 def table(global_batch: int = 64, steps: int = 400, seed: int = 0) -> list[dict]:

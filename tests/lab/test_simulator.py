@@ -171,3 +171,22 @@ def test_balancers_notebook_runs(tmp_path, monkeypatch):
     assert len(images) == 6  # each once (plots.show closes what it displayed), each with alternative text
     assert all(o.metadata["image/png"]["alt"].startswith(("Step time", "Mean step time", "Steady epoch time"))
                for o in images)
+
+
+def test_a_token_run_replayed_reads_its_split_its_overhead_and_its_jitter():
+    """hetero.lab.tokensim.replay (issue 49: the replay understands lengths): the same steps under the same costs read
+    1 for the best split without jitter, above 1 for an equal split of a 3x slower rank, lower the larger the overhead
+    each step adds to both (it dilutes the split's loss), and higher with jitter (a step waits for its slowest rank)."""
+    from hetero.core.tokens import Cost
+    from hetero.lab.tokensim import replay
+
+    rng = np.random.default_rng(3)
+    steps = [rng.integers(2, 300, 16) for _ in range(24)]
+    fixed, per, cost = [1e-3, 1e-3], [1e-5, 3e-5], Cost("padded", attention=0.001)
+
+    def read(policy, overhead=0.0, noise=0.0):
+        return replay(steps, fixed, per, cost, policy, 4, overhead, noise, timed_from=8, seeds=4)["simulated"]
+    assert read("tokens") == pytest.approx(1.0, abs=0.02)  # learnt by step 8 from noise-free times
+    assert read("equal") > 1.5
+    assert 1.0 < read("equal", overhead=0.05) < read("equal")
+    assert read("tokens", noise=0.2) > read("tokens") + 0.02

@@ -221,6 +221,8 @@ def table(res: dict) -> str:
                       f"{acc['ratio']:.3f} (of medians {acc['ratio_of_medians']:.3f})", ""]
     if tk := res.get("tokens"):
         lines += tokenbench.section(tk)
+        if any(f.endswith("tokens.png") for f in res.get("figures", [])):
+            lines += ["![epoch time over the ideal by column, the replay's simulated figure marked](tokens.png)", ""]
     if res.get("balancer"):
         rules = ("proportional", "affine")
         lines += ["## One rebalancing decision (median ms)", ""] + markdown_table(
@@ -284,6 +286,8 @@ def run(suite: Suite, out: Path, command: str) -> dict:
     if "tokens" in suite.parts and (tk := tokenbench.measure(out, suite.tokens_runs, suite.tokens_steps,
                                                              res["notes"])):
         res["tokens"] = tk
+        if fig := tokenbench.figure(tk, out / "tokens.png"):
+            res["figures"] = [*res.get("figures", []), str(fig)]
     if "recovery" in suite.parts:
         res["recovery"] = recovery.measure(out, suite.recovery_kills, notes=res["notes"])
     if "host" in suite.parts:

@@ -247,7 +247,7 @@ def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
     assert host.figure({}, tmp_path / "none.png") is None
 
 
-def test_the_tokens_part_measures_a_split_against_the_best_split_of_each_step():
+def test_the_tokens_part_measures_a_split_against_the_best_split_of_each_step(tmp_path):
     """tokenbench.summarise on made-up runs whose step times are exactly the slowest predicted compute plus 5 ms: the
     column given the best split of every step reads 1.000 of the ideal with misallocation 1; one that gives rank 1
     (3x slower per token) half the samples by count reads well above, with the wait it makes; the targets follow."""
@@ -291,6 +291,8 @@ def test_the_tokens_part_measures_a_split_against_the_best_split_of_each_step():
     text = "\n".join(tokenbench.section({"table": list(rows.values()), "per_rank": 8, "median_length": 64,
                                           "longest": 1024, "runs": 1, "steps": len(steps)}))
     assert "measured / simulated time over the ideal" in text and "| padded | rank 1 3x slower | 0.000 |" in text
+    tk = {"table": list(rows.values()), "median_length": 64, "runs": 1, "steps": len(steps)}
+    assert tokenbench.figure(tk, tmp_path / "t.png").stat().st_size > 0 and tokenbench.figure({}, tmp_path) is None
 
 
 # the cases that launch processes

@@ -19,7 +19,7 @@ from hetero.core.balancer import Balancer
 from hetero.core.partition import SCHEMES
 
 # the launch helpers the tests use, from here only (tests/*/ import them from helpers, not from hetero.lab)
-from hetero.lab.launch import MARKER, ROOT, clean_env, free_port, launch_pids, torchrun_cmd  # noqa: F401
+from hetero.lab.launch import MARKER, ROOT, clean_env, free_port, launch_pids, start_time, torchrun_cmd  # noqa: F401
 from hetero.trainer.config import Config
 from hetero.trainer.run import main
 

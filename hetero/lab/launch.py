@@ -139,7 +139,7 @@ def _signal_all(proc: subprocess.Popen, marker: str, sig: int) -> list[int]:
     return pids
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """pid's start time (what tells it from a later process given the same pid) while it lives; None once it is a
     zombie or gone."""
     try:
@@ -160,8 +160,8 @@ def stop_launch(proc: subprocess.Popen, marker: str, grace_s: float = 10, kill_w
     def signal_all(sig: int) -> bool:  # True while any of them lives
         found = _signal_all(proc, marker, sig)
         for pid in found:
-            signalled.setdefault(pid, _start_time(pid))
-        left = [pid for pid, t in signalled.items() if t is not None and _start_time(pid) == t]
+            signalled.setdefault(pid, start_time(pid))
+        left = [pid for pid, t in signalled.items() if t is not None and start_time(pid) == t]
         for pid in set(left) - set(found):  # found before, its marker gone since (dying, or it dropped it)
             try:
                 os.kill(pid, sig)

@@ -19,7 +19,7 @@ import hetero.trainer.runfolder as runfolder
 from hetero.trainer import run as train
 from hetero.trainer.runfolder import RunFolder, acquire_lock, status
 
-from helpers import MARKER, ROOT, TINY, _env, launch_pids, read_run, run_train, torchrun_cmd
+from helpers import MARKER, ROOT, TINY, _env, launch_pids, read_run, run_train, start_time, torchrun_cmd
 
 pytestmark = pytest.mark.launch
 
@@ -192,16 +192,6 @@ GRID = dict(model="tiny", data="synthetic", subset=256, test_subset=128, global_
             scheme="sync", hetero="")
 
 
-def _started(pid):
-    """pid's start time while it lives (a later process given the same pid has another); None once a zombie or gone"""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in ("Z", "X") else fields[19]
-
-
 @pytest.mark.slow
 def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
     import threading
@@ -220,7 +210,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
             for entry in os.scandir("/proc"):
                 try:
                     if entry.name.isdigit() and needle in open(f"/proc/{entry.name}/cmdline", "rb").read():
-                        seen.setdefault(int(entry.name), _started(int(entry.name)))
+                        seen.setdefault(int(entry.name), start_time(int(entry.name)))
                         if b"RANK=1\0" in open(f"/proc/{entry.name}/environ", "rb").read() and not stopped:
                             time.sleep(3)  # past its start, into training
                             os.kill(int(entry.name), signal.SIGSTOP)
@@ -235,7 +225,7 @@ def test_grid_timeout_ends_every_process_even_a_stopped_rank(tmp_path):
     assert stopped and len(seen) >= 3  # torchrun and both ranks were seen
     assert table.loc[0, "status"] == "timeout"
     # stop_launch waits until they are gone: nothing may be left once run_grid returns
-    assert [pid for pid, t in seen.items() if t is not None and _started(pid) == t] == []
+    assert [pid for pid, t in seen.items() if t is not None and start_time(pid) == t] == []
 
 
 @pytest.mark.slow

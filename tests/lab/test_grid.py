@@ -119,7 +119,7 @@ def test_a_stopped_launch_leaves_no_process_even_one_that_dropped_its_marker(tmp
     import time
     import uuid
 
-    from hetero.lab.launch import MARKER, launch_pids, stop_launch
+    from hetero.lab.launch import MARKER, launch_pids, start_time, stop_launch
 
     from helpers import clean_env
 

@@ -154,7 +154,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
         if column in ("samples", "tokens"):
             bal = Balance(global_batch=B, rebalance_every=REBALANCE_EVERY, seed=seed,
                           collator=collator if column == "tokens" else None)
-            trainer = HeteroTrainer(balance=bal, **common)
+            trainer = HeteroTrainer(balance=bal, by_tokens=column == "tokens", **common)
         else:
             trainer = Trainer(**common)
         trainer.train()

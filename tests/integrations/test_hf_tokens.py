@@ -201,6 +201,42 @@ def test_the_default_splits_by_counts_where_the_lengths_do_not_vary_or_a_replay_
     assert token_lengths(trainer, Docs())["collator"] == "padded"
 
 
+def test_by_tokens_chooses_counts_or_tokens_and_refuses_what_it_cannot_in_one_line(tmp_path):
+    """HeteroTrainer(by_tokens=...): False splits by counts though the lengths vary (the Trainer's samplers by length
+    then refused naming it); True splits by tokens though they do not, and refuses in one line where the Balance
+    cannot (a replay) or the items have nothing to measure; by_tokens=False beside a Balance's collator, and a value
+    that is no bool, are refused when the Trainer is built."""
+    from hetero.integrations.hf.trainer import token_lengths
+
+    class Blocks(Docs):  # every sample 12 tokens
+        def __init__(self):
+            self.items = [{"input_ids": [1] * 12, "labels": [1] * 12} for _ in range(N)]
+
+    def trainer(ds, by_tokens, replayed=False, collator=None, **args):
+        bal = hetero.Balance(global_batch=B, collator=collator)
+        bal.set_world(0, 1)
+        if replayed:
+            bal.replay({0: [[B]] * (N // B)})
+        return HeteroTrainer(model=_model(), args=_args(str(tmp_path), B, **args), train_dataset=ds,
+                             data_collator=padded, balance=bal, by_tokens=by_tokens)
+    assert token_lengths(trainer(Docs(), False), Docs()) == {}
+    assert token_lengths(trainer(Docs(), None), Docs())["collator"] == "padded"  # the default, the control
+    assert token_lengths(trainer(Blocks(), True), Blocks())["collator"] == "padded"
+    assert token_lengths(trainer(Blocks(), None), Blocks()) == {}
+    with pytest.raises(ValueError, match=r"^hetero: replay\(\) records sizes.*: HeteroTrainer\(by_tokens=True\) "
+                                         r"cannot split by tokens$"):
+        token_lengths(trainer(Docs(), True, replayed=True), Docs())
+    with pytest.raises(ValueError, match=r"^hetero: train_sampling_strategy='group_by_length' asks for batches by "
+                                         r"length, and hetero splits this run by counts \(HeteroTrainer\(by_tokens="
+                                         r"False\)\): leave it 'random'$"):
+        trainer(Docs(), False, train_sampling_strategy="group_by_length").get_train_dataloader()
+    with pytest.raises(ValueError, match=r"by_tokens=False\) splits by counts, and the Balance was built with "
+                                         r"collator='padded'"):
+        trainer(Docs(), False, collator="padded")
+    with pytest.raises(ValueError, match=r"by_tokens='yes'\) takes None"):
+        trainer(Docs(), "yes")
+
+
 @pytest.mark.parametrize("strategy", ["group_by_length", "batch_rebalance"])
 def test_the_trainers_samplers_by_length_are_taken_where_hetero_splits_by_tokens_and_refused_where_by_counts(
         tmp_path, strategy):

@@ -65,7 +65,8 @@ STATE_NAME = hf_resume.STATE_NAME  # in each checkpoint-N folder, beside trainer
 class HeteroTrainer(Trainer):
     """transformers.Trainer with hetero's per-rank batch sizes, b_i/B (or token-share) weighting and rebalancing."""
 
-    def __init__(self, *args, balance: Balance, loss_mean: str | None = None, **kwargs):
+    def __init__(self, *args, balance: Balance, loss_mean: str | None = None, by_tokens: bool | None = None,
+                 **kwargs):
         """The Trainer's arguments, and:
 
         Args:
@@ -73,13 +74,25 @@ class HeteroTrainer(Trainer):
             loss_mean: what the loss divides by: "trainer" (the Trainer's num_items_in_batch), "tokens"
                 (labels != -100), "shifted" (labels[..., 1:] != -100) or "rows" (a per-sample mean); checked at the
                 first step. None: found there, and refused in one line where the batches cannot tell it.
+            by_tokens: how each step's samples are split among the ranks. None (the default): by their cost in
+                tokens wherever the data set's lengths vary and the Balance can split by them, else by counts. False:
+                by counts (b_i samples each, in the permutation's order) whatever the lengths. True: by tokens, or a
+                one-line refusal saying why not. A Balance built with a collator splits by tokens.
 
         Raises:
             TypeError: balance is not a hetero.Balance.
-            ValueError: loss_mean is none of these."""
+            ValueError: loss_mean is none of these, by_tokens is not None, True or False, or by_tokens=False on a
+                Balance built with a collator."""
         if loss_mean is not None and loss_mean not in hf_loss.KINDS:
             raise ValueError(f"hetero: HeteroTrainer(loss_mean={loss_mean!r}) takes one of "
                              f"{', '.join(map(repr, hf_loss.KINDS))} or None (found from the loss)")
+        if by_tokens is not None and not isinstance(by_tokens, bool):
+            raise ValueError(f"hetero: HeteroTrainer(by_tokens={by_tokens!r}) takes None (by tokens where the "
+                             f"lengths vary), True or False")
+        if by_tokens is False and isinstance(balance, Balance) and balance.settings.collator is not None:
+            raise ValueError(f"hetero: HeteroTrainer(by_tokens=False) splits by counts, and the Balance was built "
+                             f"with collator={balance.settings.collator!r}, which splits by tokens: say one")
+        self.by_tokens = by_tokens
         if not isinstance(balance, Balance):
             raise TypeError(f"hetero: HeteroTrainer(balance=...) takes a hetero.Balance, not {type(balance).__name__} "
                             f"{balance!r}: build one, e.g. hetero.Balance(scheme=\"edp\", global_batch=32)")
@@ -322,6 +335,8 @@ BY_LENGTH = ("group_by_length", "batch_rebalance")
 
 def _by_counts(bal, ds, trainer: Trainer) -> str:
     """Why a run the Trainer would group by length splits by counts: what to change, in a few words."""
+    if getattr(trainer, "by_tokens", None) is False:
+        return "HeteroTrainer(by_tokens=False)"
     if (why := tokens_refusal(bal, "padded")) is not None:
         return why.removeprefix("hetero: ")
     return "the samples' lengths do not vary" if measured(trainer, ds) is not None else \
@@ -336,12 +351,20 @@ def token_lengths(trainer: Trainer, ds) -> dict:
     DataCollatorWithFlattening, "padded" with any other."""
     from transformers import DataCollatorWithFlattening
 
-    bal = trainer.balance
+    bal, choice = trainer.balance, getattr(trainer, "by_tokens", None)
     layout = "packed" if isinstance(trainer.data_collator, DataCollatorWithFlattening) else "padded"
     said = bal.settings.collator
-    if said is None:  # the default: by tokens where the lengths vary and nothing rules it out
+    if said is None and choice is False:  # by counts, as asked
+        return {}
+    if said is None:  # the default: by tokens where the lengths vary and nothing rules it out; True: or refuse
         lengths = measured(trainer, ds)
-        if tokens_refusal(bal, layout) is not None or lengths is None or len(set(lengths)) < 2:
+        if choice and (why := tokens_refusal(bal, layout)) is not None:
+            raise ValueError(f"{why}: HeteroTrainer(by_tokens=True) cannot split by tokens")
+        if choice and lengths is None:
+            raise ValueError(f"hetero: HeteroTrainer(by_tokens=True), and the train dataset's items have no "
+                             f"'{_input_name(trainer)}' to measure: add a '{trainer.args.length_column_name}' column "
+                             f"(args.length_column_name)")
+        if tokens_refusal(bal, layout) is not None or lengths is None or len(set(lengths)) < 2 and not choice:
             return {}
         return {"lengths": lengths, "collator": layout}
     if layout != said:

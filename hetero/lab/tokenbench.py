@@ -187,15 +187,31 @@ def _steps(ranks: list[dict], key: str, column: str, i: int, cost: Cost, fits: n
     return step_s, np.array(pred), np.array(best)
 
 
+def _batches(ranks: list[dict], key: str, cost: Cost) -> np.ndarray:
+    """The two work terms (Cost.parts) of every rank's batch of every recorded step of the row: [batches, 2]."""
+    return np.array([cost.parts(x) for r in ranks for runs in r["runs"][key].values() for run in runs
+                     for x in run["lengths"] if len(x)])
+
+
+def calibrated(fitted: np.ndarray, collator: str, parts: np.ndarray) -> tuple[Cost, np.ndarray]:
+    """The ranks' calibrations (fixed, per token, per squared length each) as tokens.Cost's model of one attention
+    weight shared by the ranks and a per-unit cost each: the weight from the ranks' sums (the two terms are nearly
+    collinear on padded rows, so one rank's fit can put all of its cost in either, or a term below 0), and each rank's
+    per-unit cost the one that gives its fitted cost of the row's mean batch; fixed costs at least 0."""
+    a1, a2 = fitted[:, 1], np.maximum(fitted[:, 2], 0)
+    weight = float(a2.sum() / a1.sum()) if a1.sum() > 0 else 0.0
+    tokens, squares = parts.mean(0) if len(parts) else (1.0, 0.0)
+    per_unit = np.maximum((a1 * tokens + a2 * squares) / (tokens + weight * squares), 1e-12)
+    return Cost(collator, weight), np.column_stack([np.maximum(fitted[:, 0], 0), per_unit])
+
+
 def summarise(ranks: list[dict]) -> list[dict]:
     """One row per (collator, row, column): the medians over the runs of time / ideal, wait and misallocation."""
     out = []
     for key in ranks[0]["runs"]:
         collator, row = key.split("/")
-        fitted = np.array([r["fits"][key] for r in ranks])  # [world, (fixed, per token, per squared length)]
-        weight = float(np.median(np.maximum(fitted[:, 2], 0) / fitted[:, 1]))  # one attention weight (tokens.Cost)
-        cost = Cost(collator, weight)
-        fits = np.column_stack([np.maximum(fitted[:, 0], 0), fitted[:, 1]])
+        cost, fits = calibrated(np.array([r["fits"][key] for r in ranks]), collator,
+                                _batches(ranks, key, Cost(collator)))
         cells = {c: [_steps(ranks, key, c, i, cost, fits) for i in range(len(v))]
                  for c, v in ranks[0]["runs"][key].items()}
         overhead = float(np.median(np.concatenate([s - p.max(1) for runs in cells.values() for s, p, _ in runs])))
@@ -209,7 +225,7 @@ def summarise(ranks: list[dict]) -> list[dict]:
             out.append({"collator": collator, "ranks": row, "column": column, "over_ideal": float(np.median(a[:, 0])),
                         "spread": float(a[:, 0].max() - a[:, 0].min()), "wait_ms": 1e3 * float(np.median(a[:, 1])),
                         "misallocation": float(np.median(a[:, 2])), "overhead_ms": 1e3 * overhead,
-                        "cost_ratio": float(fits[1, 1] / fits[0, 1]), "attention": weight, "runs": len(a),
+                        "cost_ratio": float(fits[1, 1] / fits[0, 1]), "attention": cost.attention, "runs": len(a),
                         "simulated": float(np.median(sim)), "noise": noise})
     return out
 

@@ -487,3 +487,21 @@ def test_make_knobs_are_the_flags_of_the_same_name(target, knobs, module):
         # values reach the shell through the environment (a quote in a value runs nothing), flags keep the names
         assert (f'{flag} "${k}"' in make or f'{flag} "${k}"' in make.replace("${" + k + ":+", "")
                 if k != "QUICK" else flag in make) and flag in helptext
+
+
+def test_the_tokens_calibration_is_one_attention_weight_and_a_positive_per_unit_cost_per_rank():
+    """tokenbench.calibrated: padded rows make the per-token and per-squared-length terms nearly collinear, so one
+    rank's fit can put its cost in either, or a term below 0 (a run of 2026-12-06 fitted -9.8e-7 per token on the
+    slow rank, which crashed the summary). The shared weight comes from the ranks' sums, and each rank's per-unit cost
+    gives its own fitted cost of the mean batch, positive."""
+    from hetero.lab import tokenbench
+
+    fitted = np.array([[0.003, 2.2e-6, 2.9e-8], [0.02, -9.8e-7, 9.4e-8]])
+    parts = np.array([[512.0, 40000.0], [1024.0, 130000.0]])
+    cost, fits = tokenbench.calibrated(fitted, "padded", parts)
+    assert cost.attention == pytest.approx((2.9e-8 + 9.4e-8) / (2.2e-6 - 9.8e-7)) and np.all(fits[:, 1] > 0)
+    t, q = parts.mean(0)
+    for r in range(2):  # each rank's cost of the mean batch, as fitted
+        assert fits[r, 1] * (t + cost.attention * q) == pytest.approx(fitted[r, 1] * t + fitted[r, 2] * q)
+    assert fits[1, 1] / fits[0, 1] > 2  # the slow rank is the slower per unit
+    assert tokenbench.calibrated(np.array([[0.0, -1e-6, 1e-8]] * 2), "padded", parts)[0].attention == 0.0

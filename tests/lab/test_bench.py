@@ -503,5 +503,5 @@ def test_the_tokens_calibration_is_one_attention_weight_and_a_positive_per_unit_
     t, q = parts.mean(0)
     for r in range(2):  # each rank's cost of the mean batch, as fitted
         assert fits[r, 1] * (t + cost.attention * q) == pytest.approx(fitted[r, 1] * t + fitted[r, 2] * q)
-    assert fits[1, 1] / fits[0, 1] > 2  # the slow rank is the slower per unit
+    assert fits[1, 1] / fits[0, 1] > 1.5  # the slow rank is the slower per unit
     assert tokenbench.calibrated(np.array([[0.0, -1e-6, 1e-8]] * 2), "padded", parts)[0].attention == 0.0

@@ -307,7 +307,7 @@ def section(tk: dict) -> list[str]:
                                                    f"{c['misallocation']:.2f}" for c in cells.values()])
     first = {(r["collator"], r["ranks"]): r for r in rows}
     columns = list(dict.fromkeys(r["column"] for r in rows))
-    lines += markdown_table(["collator", "ranks", "rank 1's per-token cost / rank 0's", *columns], body)
+    lines += markdown_table(["collator", "ranks", "rank 1's cost per unit / rank 0's", *columns], body)
     lines += ["", "Overhead per step outside the compute (in the ideal): " + ", ".join(
         f"{k[0]} {k[1]} {v['overhead_ms']:.1f} ms" for k, v in first.items()), ""]
     if all("simulated" in r for r in rows):
@@ -359,7 +359,7 @@ def figure(tk: dict, path: Path) -> Path | None:
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title(f"Variable-length steps on 2 CPU ranks (a tiny Llama, lengths lognormal with median "
                  f"{tk['median_length']}):\nepoch time over the ideal, median of {tk['runs']} runs of {tk['steps']} "
-                 f"steps; cost ratio: rank 1's per-token cost over rank 0's", fontsize=9)
+                 f"steps; cost ratio: rank 1's cost per unit (of its mean batch) over rank 0's", fontsize=9)
     fig.tight_layout()
     safeio.atomic_write(path, lambda fh: fig.savefig(fh, format="png"))  # never through a planted link
     plt.close(fig)

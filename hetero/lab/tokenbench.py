@@ -116,7 +116,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
 
     def fit(slow: float, cost: Cost, collate) -> list[float]:
         """This rank's fixed cost, per token and per squared length (Cost.parts) of fwd + bwd, by least squares on
-        batches of several sizes (no collective)."""
+        batches of several sizes (no collective), and its jitter: the log sd of its batches' times over the fit's."""
         m = model(slow, None, cost)
         m.train()
         work, took = [], []
@@ -130,7 +130,8 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
                 took.append(time.perf_counter() - t0)
                 work.append(cost.parts(_work(batch, cost)[0]))
         x = np.column_stack([np.ones(len(work)), np.array(work)])
-        return np.linalg.lstsq(x, np.array(took), rcond=None)[0].tolist()
+        coef = np.linalg.lstsq(x, np.array(took), rcond=None)[0]
+        return [*coef.tolist(), spread(np.array(took), x @ coef)]
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -210,12 +211,14 @@ def summarise(ranks: list[dict]) -> list[dict]:
     out = []
     for key in ranks[0]["runs"]:
         collator, row = key.split("/")
-        cost, fits = calibrated(np.array([r["fits"][key] for r in ranks]), collator,
+        cost, fits = calibrated(np.array([r["fits"][key][:3] for r in ranks]), collator,
                                 _batches(ranks, key, Cost(collator)))
         cells = {c: [_steps(ranks, key, c, i, cost, fits) for i in range(len(v))]
                  for c, v in ranks[0]["runs"][key].items()}
         overhead = float(np.median(np.concatenate([s - p.max(1) for runs in cells.values() for s, p, _ in runs])))
-        noise = jitter([(s, p) for runs in cells.values() for s, p, _ in runs], overhead)
+        # the replay's noise: each rank's own batches' jitter in its calibration (runs before it: the steps')
+        noise = float(np.median([r["fits"][key][3] for r in ranks])) if len(ranks[0]["fits"][key]) > 3 else \
+            jitter([(s, p) for runs in cells.values() for s, p, _ in runs], overhead)
         for column, runs in cells.items():
             a = np.array([(s.sum() / (b + overhead).sum(), float(np.mean(s[:, None] - p)), float(np.mean(p.max(1) / b)))
                           for s, p, b in runs])
@@ -237,11 +240,16 @@ def _unions(ranks: list[dict], key: str, column: str, i: int) -> list[np.ndarray
             for s in range(min(len(r["lengths"]) for r in runs))]
 
 
+def spread(measured: np.ndarray, predicted: np.ndarray) -> float:
+    """The log sd of measured over predicted times (pairs whose either side is <= 0 left out)."""
+    keep = (measured > 0) & (predicted > 0)
+    return float(np.std(np.log(measured[keep] / predicted[keep]))) if keep.any() else 0.0
+
+
 def jitter(cells: list[tuple[np.ndarray, np.ndarray]], overhead: float) -> float:
-    """The noise the replay draws: the sd of log(measured compute / predicted), a step's compute being its measured
-    time less the overhead and its prediction the slowest rank's (steps whose compute comes out <= 0 left out)."""
-    ratios = np.concatenate([(s - overhead) / p.max(1) for s, p in cells])
-    return float(np.std(np.log(ratios[ratios > 0])))
+    """The replay's noise for runs recorded without a calibration jitter: the log sd of the steps' measured compute
+    (the step less the overhead) over the slowest rank's predicted; it carries the calibration's error too."""
+    return spread(np.concatenate([s - overhead for s, _ in cells]), np.concatenate([p.max(1) for _, p in cells]))
 
 
 def measure(out: Path, runs: int, steps: int, notes: list[str]) -> dict | None:

@@ -291,6 +291,13 @@ def test_the_tokens_part_measures_a_split_against_the_best_split_of_each_step(tm
     text = "\n".join(tokenbench.section({"table": list(rows.values()), "per_rank": 8, "median_length": 64,
                                           "longest": 1024, "runs": 1, "steps": len(steps)}))
     assert "measured / simulated time over the ideal" in text and "| padded | rank 1 3x slower | 0.000 |" in text
+    # a calibration that recorded each rank's jitter (its batches' log sd over its fit): the replay draws that
+    for r in ranks:
+        r["fits"]["padded/rank 1 3x slower"] = [*r["fits"]["padded/rank 1 3x slower"], 0.1]
+    again = {r["column"]: r for r in tokenbench.summarise(ranks)}
+    assert again["plain"]["noise"] == pytest.approx(0.1) and again["plain"]["over_ideal"] == rows["plain"]["over_ideal"]
+    assert again["plain"]["simulated"] > rows["plain"]["simulated"]  # a step waits for its slowest rank
+    assert tokenbench.spread(np.array([1.0, 2.0, -1.0]), np.array([1.0, 1.0, 1.0])) == pytest.approx(np.log(2) / 2)
     tk = {"table": list(rows.values()), "median_length": 64, "runs": 1, "steps": len(steps)}
     assert tokenbench.figure(tk, tmp_path / "t.png").stat().st_size > 0 and tokenbench.figure({}, tmp_path) is None
 

@@ -320,8 +320,8 @@ def section(tk: dict) -> list[str]:
         f"{k[0]} {k[1]} {v['overhead_ms']:.1f} ms" for k, v in first.items()), ""]
     if all("simulated" in r for r in rows):
         lines += ["Each run replayed in the simulator (hetero.lab.tokensim.replay: its own steps' samples, the "
-                  "calibrated costs, the overhead and the jitter fitted from its steps): measured / simulated time "
-                  "over the ideal:", ""]
+                  "calibrated costs, the overhead and the ranks' jitter in their calibration): measured / simulated "
+                  "time over the ideal:", ""]
         body = [[*key, f"{first[key]['noise']:.3f}"] + [f"{c['over_ideal']:.3f} / {c['simulated']:.3f}" for c in
                                                        (r for r in rows if (r["collator"], r["ranks"]) == key)]
                 for key in first]

@@ -4,7 +4,9 @@ The launches: the DeepSpeed door (hetero.core.deepspeed): `bal.attach(engine)` o
 returns, ZeRO 0-3 on 2 CPU ranks (gloo, DS_ACCELERATOR=cpu), against one DeepSpeed process on the union of every
 step's samples (the same config, world 1), after one and after three steps. One torchrun launch runs every exactness
 case, the clock cases and the refusals at attach (tests/scripts/deepspeed_exact.py); one single-process launch runs
-their references; a refusal inside a step ends its launch, so each has its own."""
+their references; a refusal inside a step ends its launch, so each has its own: one for each place a refusal is raised
+(engine.step(), the step's end, inside the backward). Every refusal of the door, in one process: a stand-in engine
+driven through the loop's calls (the table below)."""
 from __future__ import annotations
 
 import contextlib
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import namedtuple
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -102,6 +105,160 @@ def test_the_hf_trainers_engine_may_accumulate_in_its_config_and_no_other():
                      for _ in range(2))
     hosted(trainers)
     assert refusal(own, 2).startswith("DeepSpeed's gradient_accumulation_steps is 4") and refusal(trainers, 2) is None
+
+
+# -- the door in one process (issue 47): every refusal of DeepSpeedDoor, on a stand-in engine ------------------------
+class StandIn(torch.nn.Module):
+    """What DeepSpeedDoor drives of a DeepSpeed engine: its module, forward, backward and step, the local context
+    of a step's micro-batches (ZeRO 1-3 coalesce, ZeRO 0 no_sync) and ZeRO 0's reduction; it counts what ran."""
+    gradient_average = True
+
+    def __init__(self, stage: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.module, self.stage = torch.nn.Linear(4, 1), stage
+        self.losses, self.steps, self.entered, self.reduced = [], 0, 0, 0
+
+    def forward(self, x):
+        return self.module(x)
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def backward(self, loss, *args, **kwargs):
+        self.losses.append(float(loss.detach()))
+        loss.backward()
+        return loss
+
+    def step(self, lr_kwargs=None) -> None:
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def coalesce_grad_reduction(self):
+        self.entered += 1
+        yield
+
+    no_sync = coalesce_grad_reduction
+
+    def allreduce_gradients(self) -> None:
+        self.reduced += 1
+
+
+def _door(monkeypatch, stage: int = 2, micro_batch: int | None = None, rank: int = 0, sizes=(4, 4)):
+    """Rank `rank` of 2: a Balance whose engine drives the real DeepSpeedDoor on a stand-in (what attach installs,
+    its refusals of the engine's settings aside: tested above); every step of the epoch split as `sizes` (replayed:
+    no decision, no collective)."""
+    import hetero
+    from hetero.core.deepspeed import DeepSpeedDoor
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bal = hetero.Balance(global_batch=8, scheme="edp", **({"micro_batch": micro_batch} if micro_batch else {}))
+    batches = bal.batch_sampler(32)
+    bal.replay({0: np.array([list(sizes)] * 4)})
+    ds, e = StandIn(stage), bal.engine
+    door = DeepSpeedDoor(e, ds)
+    e.link.ds, e.link.device, e.link.coll, e.link.model = door, torch.device("cpu"), torch.device("cpu"), ds
+    ds.module.register_forward_pre_hook(e.count_forward)
+    bal.set_epoch(0)
+    return bal, ds, iter(batches)
+
+
+def _loop(bal, ds, batches, mistake: str = "") -> None:
+    """One step of the loop docs/deepspeed.md gives (each micro-batch in `with bal.step()`: the forward,
+    engine.backward(loss), engine.step()), with `mistake` made where it is one: engine.step() before the backward
+    or a backward after it in the step's last micro-batch (before it, engine.step() is a no-op), a plain
+    loss.backward() in the first."""
+    last = bal.micro_batches - 1
+    for j in range(last + 1):
+        idx = next(batches)
+        with bal.step():
+            if mistake == "early" and j == last:
+                ds.step()
+            loss = ds(torch.ones(len(idx), 4)).sum()
+            loss.backward() if mistake == "torch" and j == 0 else ds.backward(loss)
+            if mistake != "missing":
+                ds.step()
+            if mistake == "twice":
+                ds.step()
+            if mistake == "after" and j == last:
+                ds.backward(loss * 0)
+    if mistake == "outside":
+        ds.step()
+    if mistake == "backward_outside":
+        ds.backward(ds(torch.ones(1, 4)).sum())
+
+
+DOOR_MISTAKES = [  # (mistake, the line's start)
+    ("twice", "hetero: engine.step() ran twice in step 0 of epoch 0 on rank {r}: call it once"),
+    ("outside", "hetero: engine.step() ran outside `with bal.step()`: call it inside"),
+    ("missing", "hetero: step 0 of epoch 0 ended on rank {r} without engine.step()"),
+    ("early", "hetero: engine.step() ran before engine.backward(loss) in step 0 of epoch 0 on rank {r}"),
+    ("torch", "hetero: a backward ran outside engine.backward(loss) in step 0 of epoch 0 on rank {r}"),
+    ("after", "hetero: a backward ran after engine.step() in step 0 of epoch 0 on rank {r}"),
+    ("backward_outside", "hetero: engine.backward(loss) ran outside `with bal.step()`"),
+]
+SETUPS = [(0, None), (2, None), (2, 2), (3, 2)]  # (ZeRO stage, micro_batch): no_sync, coalescing, ZeRO-3's padding
+
+
+def _raised(monkeypatch, mistake: str, stage: int, micro_batch: int | None, rank: int) -> str:
+    from hetero.core.agree import HeteroError
+
+    bal, ds, batches = _door(monkeypatch, stage, micro_batch, rank)
+    with pytest.raises(HeteroError) as e:
+        _loop(bal, ds, batches, mistake)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("stage,micro_batch", SETUPS)
+@pytest.mark.parametrize("mistake,words", DOOR_MISTAKES, ids=[m for m, _ in DOOR_MISTAKES])
+def test_every_door_refusal_is_one_line_on_a_stand_in_engine(monkeypatch, mistake, words, stage, micro_batch, rank):
+    """Each way a loop can drive a DeepSpeed engine wrongly is refused in hetero's one line, naming the step and
+    the rank, in one process (the launches below check that every rank then stops, with no hang)."""
+    line = _raised(monkeypatch, mistake, stage, micro_batch, rank)
+    assert line.startswith(words.format(r=rank)) and "\n" not in line, line
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("stage,micro_batch", SETUPS)
+def test_a_right_loop_weighs_each_loss_and_steps_the_engine_once_a_step(monkeypatch, stage, micro_batch, rank):
+    """The table's negative control: the loop run right, on steps split [2, 6], runs the epoch's 4 steps, with
+    DeepSpeed's own step once a step after the step's one local context (ZeRO 0: its own reduction once a step).
+    Each backward gets the loss times its rows' weight (2 or 6 of 8, or a micro-batch's 2) times the world
+    DeepSpeed's mean divides by; under ZeRO-3 with micro-batches the rank with fewer runs zero-weight ones up to the
+    step's most."""
+    bal, ds, batches = _door(monkeypatch, stage, micro_batch, rank, sizes=(2, 6))
+    for _ in range(4):
+        _loop(bal, ds, batches)
+    mine = (2, 6)[rank]
+    rows = micro_batch or mine
+    with torch.no_grad():
+        one = float(torch.nn.functional.linear(torch.ones(rows, 4), ds.module.weight, ds.module.bias).sum())
+    step = [one * rows / 8 * 2] * (mine // rows) + [0.0] * ((6 - mine) // rows if stage == 3 else 0)
+    assert ds.losses == pytest.approx(step * 4)
+    assert ds.steps == 4 and ds.entered == 4 and ds.reduced == (4 if stage == 0 else 0)
+
+
+def test_every_door_refusal_is_in_the_table(monkeypatch):
+    """Every literal line DeepSpeedDoor refuses with is raised by a case of the table (its placeholders filled):
+    a refusal added without a case fails here; one removed fails its case."""
+    import ast
+    import re
+
+    import hetero.core.deepspeed as mod
+
+    tree = ast.parse(Path(mod.__file__).read_text())
+    door = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepSpeedDoor")
+    sites = ["".join(v.value if isinstance(v, ast.Constant) else "{}" for v in arg.values)
+             if isinstance(arg, ast.JoinedStr) else arg.value
+             for node in ast.walk(door) if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "refuse"
+             for arg in node.args[:1]]
+    assert len(sites) >= 7, sites
+    lines = [_raised(monkeypatch, m, 2, 2, 0) for m, _ in DOOR_MISTAKES]
+    missing = [s for s in sites if not any(re.fullmatch(re.escape(s).replace(r"\{\}", ".*"), ln, re.S)
+                                           for ln in lines)]
+    assert not missing, f"no case raises: {missing}"
 
 
 # the cases that launch processes
@@ -249,14 +406,13 @@ def test_configs_hetero_cannot_weight_are_refused_at_attach_on_every_rank(runs, 
 @pytest.mark.launch
 @needs_deepspeed
 @pytest.mark.slow
-@pytest.mark.parametrize("case, line", [
-    ("2:micro:sgd:twice", "hetero: engine.step() ran twice in step 0 of epoch 0 on rank "),
-    ("0:micro:sgd:outside", "hetero: engine.step() ran outside `with bal.step()`: call it inside"),
+@pytest.mark.parametrize("case, line", [  # where a refusal is raised (in engine.step, at the step's end, inside the
+    # backward), ZeRO-3 among them; every refusal's line and place: the table in one process above
     ("3:batch:sgd:missing", "hetero: step 0 of epoch 0 ended on rank "),
     ("3:micro:sgd:early", "hetero: engine.step() ran before engine.backward(loss) in step 0 of epoch 0 on rank 0"),
     ("2:batch:sgd:torch", "hetero: a backward ran outside engine.backward(loss) in step 0 of epoch 0 on rank ")])
 def test_a_loop_that_steps_the_engine_wrongly_stops_every_rank_with_one_line(tmp_path, case, line):
-    """Twice in a step, after the block, never, or before the backward (under ZeRO-3 rank 1's gathers then fail: it says
+    """engine.step() never (under ZeRO-3), or before the backward (under ZeRO-3 rank 1's gathers then fail: it says
     rank 0's line), or a backward that bypasses engine.backward (its loss unweighted): every rank stops with hetero's
     line, none with DeepSpeed's assertion or a hang."""
     p = _torchrun(2, tmp_path / "rec", case)

@@ -15,8 +15,8 @@ hetero's factor is 1), pair (the model returns the loss and the logits it came f
 weight must reach the logits' gradient once). Refusals at attach are recorded as {"refused": line} and the launch goes
 on: gas (gradient_accumulation_steps 2), data (deepspeed.initialize given training_data), deepcompile, bf16 on ZeRO-0,
 again (a second Balance on the engine). Refusals in a step are a line on stderr and exit status 2, and end the launch:
-twice (engine.step() twice in a step), outside (after `with bal.step()`), missing (none), early (before the backward),
-torch (loss.backward() in place of engine.backward(loss)).
+missing (no engine.step()), early (engine.step() before the backward), torch (loss.backward() in place of
+engine.backward(loss)); every refusal in a step is also tested in one process (tests/core/test_deepspeed.py).
 Each rank writes OUT.CASE.rankR.json (CASE with "-" for ":"): every step's sample indices, the parameters after the
 first and third steps (gathered under ZeRO-3), and every step's clock; the reference writes OUT.CASE.ref.json.
 """
@@ -127,10 +127,6 @@ def train(bal: hetero.Balance, engine, steps: list, after: dict, upto: int, brok
                 engine.backward(loss)
             if broken != "missing":
                 engine.step()
-            if broken == "twice":
-                engine.step()
-        if broken == "outside":
-            engine.step()
         if bal.position.step in (1, STEPS) and bal.position.step != at:
             after[bal.position.step] = params(engine)
 

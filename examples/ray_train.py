@@ -129,7 +129,10 @@ def main(args) -> int:
         print(f"hetero: error: {e}", file=sys.stderr)
         return 2
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # a local cluster reports nothing outside this machine
-    ray.init(num_cpus=args.workers, include_dashboard=False)
+    if args.address:  # a running cluster: host:port, or "auto" for the one `ray start` began on this machine
+        ray.init(address=args.address)
+    else:  # a cluster of its own, stopped at the end (address=None would join one `ray start` began here)
+        ray.init(address="local", num_cpus=args.workers, include_dashboard=False)
     try:
         workers = (args.min_workers, args.workers) if args.min_workers else args.workers
         trainer = TorchTrainer(
@@ -149,6 +152,9 @@ def main(args) -> int:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=2, help="Ray Train workers (one CPU, or one GPU with --gpu, each)")
+    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", ""),
+                   help="a running Ray cluster to join (host:port, or auto); default $RAY_ADDRESS, else a local "
+                        "cluster of --workers CPUs, started here and stopped at the end")
     p.add_argument("--min-workers", type=int, default=0, help="elastic: go on with as few as this many (0: fixed)")
     p.add_argument("--gpu", action="store_true", help="one GPU per worker")
     p.add_argument("--max-failures", type=int, default=0, help="Ray restarts the group this many times")

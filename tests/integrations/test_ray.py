@@ -151,11 +151,34 @@ def _steps(tmp_path: Path, start: int) -> list[dict]:
     return rows
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location("ray_train_example", ROOT / "examples" / "ray_train.py")
+def _example(name: str = "ray_train.py"):
+    spec = importlib.util.spec_from_file_location(name[:-3] + "_example", ROOT / "examples" / name)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@needs_ray
+def test_the_examples_start_a_cluster_of_their_own_or_join_the_one_named(monkeypatch):
+    """Without --address (nor RAY_ADDRESS) an example starts a local cluster of its own even where `ray start` began
+    one on the machine, which a plain ray.init(num_cpus=...) would join and then refuse; with it, it joins."""
+    import argparse
+
+    calls = []
+
+    def init(**kw):
+        calls.append(kw)
+        raise RuntimeError("stop here")
+    own = {"address": "local", "num_cpus": 2, "include_dashboard": False}
+    for mod in (_example(), _example("ray_train_baseline.py")):
+        monkeypatch.setattr(mod.ray, "init", init)
+        for address in ("", "auto", "10.0.0.5:6379"):
+            args = argparse.Namespace(workers=2, min_workers=0, max_failures=0, samples=64, epochs=1, seed=0,
+                                      checkpoint_every=0, record_params=0, global_batch=8, scheme="edp",
+                                      rebalance_every=0, hetero="", address=address)
+            with pytest.raises(RuntimeError, match="stop here"):
+                mod.main(args)
+    assert calls == [own, {"address": "auto"}, {"address": "10.0.0.5:6379"}] * 2
 
 
 @pytest.mark.launch

@@ -57,7 +57,7 @@ def train_fn(cfg: dict) -> None:
 
 def main(out: str) -> int:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)  # its own cluster, beside any `ray start` one
     try:
         result = TorchTrainer(train_fn, train_loop_config={"out": os.path.abspath(out)},
                               scaling_config=ScalingConfig(num_workers=2),

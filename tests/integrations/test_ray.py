@@ -162,8 +162,6 @@ def _example(name: str = "ray_train.py"):
 def test_the_examples_start_a_cluster_of_their_own_or_join_the_one_named(monkeypatch):
     """Without --address (nor RAY_ADDRESS) an example starts a local cluster of its own even where `ray start` began
     one on the machine, which a plain ray.init(num_cpus=...) would join and then refuse; with it, it joins."""
-    import argparse
-
     calls = []
 
     def init(**kw):
@@ -173,12 +171,33 @@ def test_the_examples_start_a_cluster_of_their_own_or_join_the_one_named(monkeyp
     for mod in (_example(), _example("ray_train_baseline.py")):
         monkeypatch.setattr(mod.ray, "init", init)
         for address in ("", "auto", "10.0.0.5:6379"):
-            args = argparse.Namespace(workers=2, min_workers=0, max_failures=0, samples=64, epochs=1, seed=0,
-                                      checkpoint_every=0, record_params=0, global_batch=8, scheme="edp",
-                                      rebalance_every=0, hetero="", address=address)
             with pytest.raises(RuntimeError, match="stop here"):
-                mod.main(args)
+                mod.main(_args(address=address))
     assert calls == [own, {"address": "auto"}, {"address": "10.0.0.5:6379"}] * 2
+
+
+def _args(**kw):
+    """The example's settings as its command line's defaults give them, `kw` changed."""
+    import argparse
+
+    return argparse.Namespace(**{**dict(workers=2, min_workers=0, max_failures=0, samples=64, epochs=1, seed=0,
+                                        checkpoint_every=0, record_params=0, global_batch=8, scheme="edp",
+                                        rebalance_every=0, hetero="", address=""), **kw})
+
+
+@needs_ray
+@pytest.mark.parametrize("kw, line", [
+    ({"workers": 0}, "--workers 0 must be at least 1"),
+    ({"workers": -1}, "--workers -1 must be at least 1"),
+    ({"min_workers": 3}, "--min-workers 3 exceeds --workers 2"),
+    ({"max_failures": -2}, "--max-failures -2 must be at least -1"),
+    ({"global_batch": 65}, "--global-batch 65 exceeds the 64 --samples"),
+    ({"record_params": -1}, "--record-params -1 must be at least 0"),
+    ({}, "")])
+def test_the_example_names_each_bad_count_in_one_line(kw, line):
+    """Each count the example checks before Ray starts, in one process (one of them also through the real command
+    line: tests/integrations/test_examples.py); its defaults pass."""
+    assert _example().bad_count(_args(**kw)) == line
 
 
 @pytest.mark.launch

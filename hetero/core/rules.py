@@ -77,7 +77,9 @@ def check_tokens(s, spell: Spell = argument) -> None:
     if s.scheme not in ("edp", "affine"):
         raise ValueError(f"{spell('collator')} splits each step by its tokens' fitted cost, weighted by each rank's "
                          f"share: {spell('scheme')} must be edp or affine (got {s.scheme!r})")
-    for name, value in (("sit_out", s.sit_out), ("max_batch", s.max_batch)):
-        if value:
-            raise ValueError(f"{spell(name)} does not combine with {spell('collator')} yet (split by tokens: every "
-                             f"rank gets rows, no per-rank cap)")
+    if s.sit_out:
+        raise ValueError(f"{spell('sit_out')} does not combine with {spell('collator')}: a split by tokens gives "
+                         f"every rank rows")
+    if s.max_batch:
+        raise ValueError(f"{spell('max_batch')} caps a rank's rows, and a split by tokens caps its tokens: set "
+                         f"{spell('max_tokens')} (a number per rank, or 'probe') in its place")

@@ -404,8 +404,10 @@ def test_by_tokens_an_epoch_hands_out_every_sample_once_and_learns_the_cost():
     ({"loss_mean": "words", "collator": "padded"}, "loss_mean must be one of samples, tokens"),
     ({"collator": "padded", "attention": -1.0}, "attention must be None \\(fitted\\) or a finite number >= 0"),
     ({"collator": "padded", "scheme": "dp"}, "scheme must be edp or affine"),
-    ({"collator": "padded", "sit_out": True, "scheme": "affine"}, "sit_out does not combine with collator yet"),
-    ({"collator": "padded", "max_batch": 8}, "max_batch does not combine with collator yet"),
+    ({"collator": "padded", "sit_out": True, "scheme": "affine"},
+     "sit_out does not combine with collator: a split by tokens gives every rank rows"),
+    ({"collator": "padded", "max_batch": 8},
+     "max_batch caps a rank's rows, and a split by tokens caps its tokens: set max_tokens"),
     ({"max_tokens": 512}, "max_tokens caps the tokens of one forward of a split by tokens: set collator='padded' "
                           "or 'packed'"),
     ({"collator": "padded", "micro_batch": 1, "max_tokens": 0}, "max_tokens must be a whole number >= 1"),

@@ -6,17 +6,21 @@ The launches: examples/ray_train.py on a local Ray cluster of 2 CPU workers (Ray
 1 emulated 3x slower: every sample of each epoch consumed once, the shares moved to the fast worker, every recorded
 step equal to one-process SGD on the union of the workers' batches; a worker killed mid-epoch (Ray restarts the group
 from the last checkpoint, the estimates come back by identity, no sample lost or doubled); the group resized through
-restarts; an epoch split by tokens (tests/scripts/ray_tokens.py). Each test shuts its cluster down (the script does)
-and checks that no Ray process is left. Ray's start-up is slow on 2 busy cores (a minute or more per cluster): the
-slow tier, and few tests."""
+restarts, on one running cluster that each start joins (`ray start --head`, the example's --address); an epoch split
+by tokens (tests/scripts/ray_tokens.py). Each test shuts its cluster down (the script does, or `ray start --block`
+when signalled) and checks that no Ray process is left. Ray's start-up is slow on 2 busy cores (a minute or more per
+cluster): the slow tier, and few tests."""
 from __future__ import annotations
 
 import contextlib
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 
 from hetero.integrations import ray as hetero_ray  # its pure parts load without Ray
 
-from helpers import ROOT, clean_env
+from helpers import ROOT, clean_env, free_port
 
 
 def test_the_emulation_follows_the_worker_not_the_rank():
@@ -142,6 +146,42 @@ def _run(tmp_path: Path, *args: str, watch=None, timeout: float = 1200, script: 
         assert p.returncode == 0, f"{(script or 'ray_train.py')} exited {p.returncode}\n{out[-8000:]}"
         return out
     raise AssertionError("unreachable")
+
+
+@contextlib.contextmanager
+def _head():
+    """A running Ray cluster of 2 CPUs, as `ray start --head` begins one on a machine (--block: it stops its
+    processes when signalled), with its own temporary folder and ports (so no other run on this machine finds or
+    collides with it); yields its address. A start that timed out (STARTUP) is tried again, up to 3 times."""
+    for attempt in range(3):
+        tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # Ray's socket paths must stay short
+        port, client, agent = free_port(), free_port(), free_port()
+        log = tmp / "head.log"
+        with log.open("w") as out:
+            head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
+                                     "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
+                                     f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+                                     f"--temp-dir={tmp}", "--block"], cwd=ROOT, env=_env(), stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while head.poll() is None and "Ray runtime started" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            if head.poll() is None and "Ray runtime started" in log.read_text():
+                yield f"127.0.0.1:{port}"
+                return
+            if STARTUP not in log.read_text() or attempt == 2:
+                raise AssertionError(f"ray start did not start a cluster:\n{log.read_text()[-4000:]}")
+            print(f"\nray start timed out during start-up (attempt {attempt + 1}): starting it again")
+        finally:
+            head.terminate()  # --block: its node stops the cluster's processes
+            try:
+                head.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(head.pid, signal.SIGKILL)
+                head.wait()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _steps(tmp_path: Path, start: int) -> list[dict]:
@@ -304,13 +344,15 @@ def test_a_killed_worker_restarts_the_group_from_the_checkpoint_by_identity(tmp_
 @needs_ray
 @pytest.mark.slow
 def test_a_run_resized_through_restarts_keeps_the_global_batch_and_coverage(tmp_path):
-    """One run (one storage and name) started three times: 2 workers for epoch 0, 1 worker for epoch 1, 2 again for
-    epoch 2. Ray Train v2 resumes each from the run's latest checkpoint (the restart count says 2 at the end); the
-    global batch and the coverage of every epoch stay those of the run."""
+    """One run (one storage and name) started three times on one running cluster (the example's --address): 2
+    workers for epoch 0, 1 worker for epoch 1, 2 again for epoch 2. Ray Train v2 resumes each from the run's latest
+    checkpoint (the restart count says 2 at the end); the global batch and the coverage of every epoch stay those of
+    the run. The cluster stopped, no Ray process is left."""
     since = time.time()
     common = ["--hetero", SLOW, "--rebalance-every", "5", "--checkpoint-every", "5"]
-    for workers, epochs in (("2", "1"), ("1", "2"), ("2", "3")):
-        _run(tmp_path, "--workers", workers, "--epochs", epochs, *common)
+    with _head() as address:  # the three starts join one running cluster, as on a real one (--address)
+        for workers, epochs in (("2", "1"), ("1", "2"), ("2", "3")):
+            _run(tmp_path, "--workers", workers, "--epochs", epochs, "--address", address, *common)
     _no_ray_left(since)
     for start, (epoch, world) in enumerate(((0, 2), (1, 1), (2, 2))):
         rows = _steps(tmp_path, start)

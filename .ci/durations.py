@@ -2,15 +2,17 @@
 
     python .ci/durations.py runs/ci/junit.xml [--costs tests/costs.csv]
 
-writes runs/ci/durations.csv (test, seconds, outcome; slowest first) beside it, prints the 30 slowest and the
-total per file, and names every test not listed in SLOW below that took over LIMIT_S (120 s): a test that slow is
-to be made cheaper (one launch per door, many checks inside it), moved to `make bench`, or named here with its
-reason.
+writes runs/ci/durations.csv (test, seconds, outcome, cpu_s, child_cpu_s; slowest first) beside it, prints the 30
+slowest, the total per file, the suite's CPU and the 15 tests that cost the most of it, and names every test not
+listed in SLOW below that took over LIMIT_S (120 s): a test that slow is to be made cheaper (one launch per door,
+many checks inside it), moved to `make bench`, or named here with its reason.
 --costs also writes each file's total seconds, costliest first, to the given table: tests/conftest.py starts the
 costliest files first from it (refresh it after a full run when files are added or their cost moves).
 It reports and never fails: a wall time is the machine's, not the code's, and a CI verdict resting on it failed a
 submission whose every test passed (test_real_data took 224 s on a slower CI machine, 2026-12-04). It exits 0
 unless the XML cannot be read.
+CPU: tests/conftest.py keeps each test's as two JUnit properties, cpu_s (the pytest process's own) and child_cpu_s
+(the processes it started, its fork server's ranks included); a test without them (another XML) reads as blank.
 """
 from __future__ import annotations
 
@@ -80,16 +82,26 @@ def _outcome(case: ET.Element) -> str:
     return "passed"
 
 
+def _cpu(case: ET.Element) -> tuple[float | None, float | None]:
+    """(own, children) CPU seconds from the test's properties; None where not kept."""
+    props = {p.get("name"): p.get("value") for p in case.iter("property")}
+    try:
+        return tuple(float(props[k]) if k in props else None for k in ("cpu_s", "child_cpu_s"))
+    except ValueError:
+        return None, None
+
+
 def main(xml: str, costs: str | None = None) -> int:
-    cases = [(_name(c), float(c.get("time", 0)), _outcome(c)) for c in ET.parse(xml).getroot().iter("testcase")]
+    cases = [(_name(c), float(c.get("time", 0)), _outcome(c), *_cpu(c))
+             for c in ET.parse(xml).getroot().iter("testcase")]
     cases.sort(key=lambda c: -c[1])
     out = Path(xml).with_name("durations.csv")
     with out.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["test", "seconds", "outcome"])
-        w.writerows([(n, f"{t:.2f}", o) for n, t, o in cases])
+        w.writerow(["test", "seconds", "outcome", "cpu_s", "child_cpu_s"])
+        w.writerows([(n, f"{t:.2f}", o, *("" if v is None else f"{v:.2f}" for v in cpu)) for n, t, o, *cpu in cases])
     per_file: dict[str, float] = defaultdict(float)
-    for n, t, _ in cases:
+    for n, t, *_ in cases:
         per_file[n.split("::")[0]] += t
     total = sum(per_file.values())
     if costs:
@@ -98,12 +110,19 @@ def main(xml: str, costs: str | None = None) -> int:
             w.writerow(["file", "seconds"])
             w.writerows([(path, f"{t:.1f}") for path, t in sorted(per_file.items(), key=lambda kv: -kv[1])])
     print(f"\nci: {len(cases)} tests, {total:.0f} s in tests ({out})\nthe 30 slowest:")
-    for n, t, o in cases[:30]:
+    for n, t, o, *_ in cases[:30]:
         print(f"  {t:7.1f} s  {n}{'' if o == 'passed' else f'  ({o})'}")
     print("per file (the 15 costliest):")
     for path, t in sorted(per_file.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {t:7.1f} s  {path}")
-    over = [(n, t) for n, t, _ in cases if t > LIMIT_S and re.sub(r"\[.*\]$", "", n) not in SLOW]
+    kept = [(n, own, kids) for n, _, _, own, kids in cases if own is not None and kids is not None]
+    if kept:
+        own, kids = sum(k[1] for k in kept), sum(k[2] for k in kept)
+        print(f"CPU: {own + kids:.0f} s, {kids:.0f} s of it in the processes the tests started ({len(kept)} tests); "
+              f"the 15 costliest:")
+        for n, o, k in sorted(kept, key=lambda c: -(c[1] + c[2]))[:15]:
+            print(f"  {o + k:7.1f} s  {n}")
+    over = [(n, t) for n, t, *_ in cases if t > LIMIT_S and re.sub(r"\[.*\]$", "", n) not in SLOW]
     for n, t in over:
         print(f"ci: note: {n} took {t:.0f} s, over the {LIMIT_S:.0f} s budget; make it cheaper, or name it in "
               f".ci/durations.py with a reason")

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -62,6 +65,52 @@ def test_the_per_file_table_is_written_costliest_first_and_read_back_by_the_test
     assert list(order.file_costs(tmp_path / "costs.csv").items()) == [("tests/integration/test_b.py", 9.0),
                                                                      ("tests/unit/test_a.py", 3.5)]
     assert order.file_costs(tmp_path / "missing.csv") == {}
+
+
+BURN_TESTS = """
+import subprocess, sys
+from helpers import spawned
+
+BURN = "import time\\nt = time.process_time()\\nwhile time.process_time() - t < 0.5:\\n    pass\\n"
+
+
+def test_in_a_child():
+    subprocess.run([sys.executable, "-c", BURN], check=True)
+
+
+def test_in_pytest():
+    exec(BURN)
+
+
+def _burn(rank, out):
+    exec(BURN)
+    open(f"{out}/rank{rank}.json", "w").write("{}")
+
+
+def test_in_a_spawned_rank(tmp_path):
+    spawned(_burn, tmp_path, nprocs=1)
+"""
+
+
+def test_each_tests_cpu_is_kept_its_own_apart_from_its_processes_and_reported(durations, tmp_path, capsys):
+    """tests/conftest.py keeps a test's CPU as JUnit properties: what pytest's process spent (cpu_s) apart from what
+    the processes the test started spent (child_cpu_s); .ci/durations.py writes both and sums them. Each test burns
+    0.5 s of CPU where the other does not (a CPU time, not a wall time: no verdict on the host's speed; the margins
+    are ten times os.times' tick of 10 ms). The third burns in a rank forked by helpers.spawned's fork server,
+    which reaps it: counted as the test's too."""
+    (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_burn.py").write_text(BURN_TESTS)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "--junitxml", "junit.xml", "test_burn.py"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "tests")})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert durations.main(str(tmp_path / "junit.xml")) == 0
+    rows = {r["test"].split("::")[-1]: r for r in csv.DictReader((tmp_path / "durations.csv").open())}
+    child, own = rows["test_in_a_child"], rows["test_in_pytest"]
+    assert float(child["child_cpu_s"]) >= 0.4 and float(child["cpu_s"]) < 0.2
+    assert float(own["cpu_s"]) >= 0.4 and float(own["child_cpu_s"]) < 0.1
+    assert float(rows["test_in_a_spawned_rank"]["child_cpu_s"]) >= 0.4
+    assert "in the processes the tests started (3 tests)" in capsys.readouterr().out
 
 
 def test_the_costliest_files_run_first_each_keeping_its_tests_order(monkeypatch, tmp_path):

@@ -57,9 +57,12 @@ def max_diff(got: list, want: list[torch.Tensor]) -> float:
 
 # What every spawned rank imports, loaded once per test process into multiprocessing's fork server: each rank is then
 # forked from that server without importing them again (about 2 s of CPU a rank under spawn, transformers' Trainer 4 s
-# more). The server must hold no thread when it forks (a lock another thread held would stay locked in the child):
-# it starts with one BLAS/OpenMP thread, and nothing here starts one (pandas' allocator does: helpers imports it late)
-PRELOAD = ["torch", "torch.distributed", "numpy", "hetero.core.balance", "hetero.core.tokens", "helpers", "tokenlm"]
+# more). DDP's constructor imports torch._dynamo (with inductor, triton's stubs and sympy), FSDP2 and the ranks'
+# collectives more: about 1 s of CPU in every forked rank until they were loaded here (0.2 s a rank after). The server
+# must hold no thread when it forks (a lock another thread held would stay locked in the child): it starts with one
+# BLAS/OpenMP thread, and nothing here starts one (pandas' allocator does: helpers imports it late)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.nn.parallel", "torch.distributed.fsdp",
+           "torch.distributed.nn", "sympy", "numpy", "hetero.core.balance", "hetero.core.tokens", "helpers", "tokenlm"]
 PRELOAD_IF_INSTALLED = ["transformers", "accelerate"]
 
 

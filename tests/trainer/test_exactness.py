@@ -78,3 +78,20 @@ def test_sync_and_dp_give_the_equal_weight_mean(tmp_path, scheme):
     got = _trained(tmp_path, sizes, scheme)
     assert _max_diff(got, _reference(sizes, weighted=False)) < 1e-5
     assert _max_diff(got, _reference(sizes, weighted=True)) > 1e-3
+
+
+@pytest.mark.launch
+@pytest.mark.slow
+def test_the_trainer_accumulates_the_exact_global_batch_gradient(tmp_path):
+    """The built-in trainer's step on 3 ranks, accumulating micro-batches of m = 4 samples (replayed counts [1, 2,
+    5]), against single-process SGD."""
+    m, b = 4, 32
+    sizes = [m * k for k in (1, 2, 5)]
+    run = tmp_path / "run"
+    run_train(["--model", "tiny_nobn", "--data", "synthetic", "--subset", str(b), "--test-subset", "64",
+               "--global-batch", str(b), "--micro-batch", str(m), "--epochs", "1", "--lr", str(LR), "--momentum", "0",
+               "--weight-decay", "0", "--augment", "false", "--seed", str(SEED), "--scheme", "edp",
+               "--replay", str(_replay_folder(tmp_path / "record", sizes)), "--run-dir", str(run)], nproc=3)
+    got = torch.load(run / "checkpoint.pt", weights_only=True)["model"]
+    assert _max_diff(got, _reference(sizes, weighted=True)) < 1e-5
+    assert _max_diff(got, _reference(sizes, weighted=False)) > 1e-3

@@ -46,7 +46,7 @@ class Balance:
     """Per-rank batch sizes by measured speed, the b_i/B gradient weighting, the wait-free step clock, rebalancing.
 
     Args:
-        global_batch: samples per step over every rank; the per-rank sizes always sum to it.
+        global_batch: samples per step over every rank, the per-rank sizes' sum (None: token_budget's steps).
         scheme: "sync" (equal sizes), "dp" (sizes by speed, DDP's mean), "edp" (sizes by speed, b_i/B weights) or
             "affine" (sizes from a fitted fixed + per-sample cost per rank, b_i/B weights).
         rebalance_every: decide every K steps; 0: at each epoch's end only (a loop without epochs needs K > 0).
@@ -71,23 +71,24 @@ class Balance:
             None: no cap): its micro-batches, or without micro_batch its step's rows, within it (docs/tokens.md).
         weighting: "hook" (a communication hook weighs every backward) or, for a DDP loop that calls
             `bal.backward(loss)`, "loss": the weight on the loss, DDP's own all-reduce (less host time per step).
+        token_budget: with collator, in place of global_batch: steps of about this many tokens (docs/tokens.md).
 
     Raises:
         ValueError: a setting out of range, in one line.
     """
 
-    def __init__(self, *, global_batch: int, scheme: str = "edp", rebalance_every: int = 0, smoothing: float = 0.0,
-                 deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1,
+    def __init__(self, *, global_batch: int | None = None, scheme: str = "edp", rebalance_every: int = 0,
+                 smoothing: float = 0.0, deadband: float = 0.0, significance: float = 1.0, min_batch: int = 1,
                  max_batch: int | str | Sequence | None = None, seed: int = 0, lag: int | None = None,
-                 sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None,
-                 collator: str | None = None, attention: float | None = None, loss_mean: str = "samples",
-                 max_tokens: int | Sequence | None = None, weighting: str = "hook"):
+                 sit_out: bool = False, micro_batch: int = 0, worker_id: str | None = None, collator: str | None = None,
+                 attention: float | None = None, loss_mean: str = "samples", max_tokens: int | Sequence | None = None,
+                 weighting: str = "hook", token_budget: int | None = None):
         self.settings = Settings(global_batch=global_batch, scheme=scheme, rebalance_every=rebalance_every,
                                  smoothing=smoothing, deadband=deadband, significance=significance,
                                  min_batch=min_batch, max_batch=max_batch, seed=seed, lag=lag, sit_out=sit_out,
-                                 micro_batch=micro_batch, worker_id=worker_id, collator=collator,
-                                 attention=attention, loss_mean=loss_mean, max_tokens=max_tokens,
-                                 weighting=weighting)
+                                 micro_batch=micro_batch, worker_id=worker_id, collator=collator, attention=attention,
+                                 loss_mean=loss_mean, max_tokens=max_tokens, weighting=weighting,
+                                 token_budget=token_budget)
         self._hetero, self._replay, self._probed = "", None, False
         self._engine: Engine | None = None
         self._data: tuple = (0, None)  # batch_sampler's n_samples and by_tokens', kept for a world bound after it

@@ -260,6 +260,9 @@ class DeepSpeedDoor:
 
 def attach(engine: Engine, ds) -> DeepSpeedDoor:
     """Install hetero on a DeepSpeed engine; raises ValueError with one line for what it refuses (on every rank)."""
+    if engine.plan.settings.budgeted:
+        raise ValueError("hetero: DeepSpeed's config counts a step in samples (train_batch_size), and a token_budget "
+                         "cuts steps of varying counts: build the Balance with global_batch=train_batch_size")
     if (why := refusal(ds, engine.plan.world)) is not None:
         raise ValueError(why)
     return DeepSpeedDoor(engine, ds)

@@ -193,13 +193,14 @@ class Engine:
                   f"recorded with another micro_batch?)")
         k = b // m if m else 1
         # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
-        weight = (m or b) / s.global_batch if s.weighted else 1.0 / (p.world * k)
         work = None
-        if s.by_tokens:  # each rank's rows cost what their lengths say; a token-mean loss weighs n_i / N; with
-            # micro-batches each one's loss divides by this rank's count for the step (docs/tokens.md), so the
-            # rank's share weighs their sum
+        if not s.by_tokens:
+            weight = (m or b) / s.global_batch if s.weighted else 1.0 / (p.world * k)
+        else:  # each rank's rows cost what their lengths say; a token-mean loss weighs n_i / N; with micro-batches
+            # each one's loss divides by this rank's count for the step (docs/tokens.md), so the rank's share weighs
+            # their sum; the sizes sum to the step's window (global_batch, or a token budget's)
             work, counted = sched.work_at(epoch, index)
-            weight = int(sizes[rank]) / s.global_batch
+            weight = int(sizes[rank]) / int(sizes.sum())
             if s.loss_mean == "tokens":
                 if not counted.sum():
                     _stop(f"hetero: step {index} of epoch {epoch} has no token its loss counts (every loss_tokens "

@@ -70,8 +70,9 @@ def _size_changes(decisions: list[Decision]) -> int:
 def metrics(bal, per_rank: bool | None = None) -> dict[str, float]:
     """This Balance's read-out as {"hetero/...": float} (module docstring); no collective, cheap enough for every
     step. per_rank: list every rank's keys (None: when the world has at most PER_RANK_MAX ranks)."""
-    rank, B, decisions = bal.rank, bal.settings.global_batch, bal.decisions
+    rank, decisions = bal.rank, bal.decisions
     sizes = bal.last_sizes
+    B = sum(sizes)  # global_batch; a token budget's step holds as many samples as its window
     world = len(sizes)  # one entry per rank (the name of the world's size is moving: size -> world)
     many = world <= PER_RANK_MAX if per_rank is None else per_rank
     out = {f"{PREFIX}batch_size": float(sizes[rank]), f"{PREFIX}share": sizes[rank] / B,

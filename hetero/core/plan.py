@@ -43,7 +43,10 @@ class Plan:
         self.settings, self.rank, self.world = settings, rank, world
         self.schedule = SizeSchedule(settings, rank, world)
         limits = self.schedule.check_limits(self.schedule.configured)
-        self._balancer = Balancer(settings.rule, world, settings.global_batch, settings.min_batch,
+        # under a token budget no count is fixed, and the balancer (which a split by tokens keeps for its bounds
+        # and state, not for its sizes) holds every rank's least
+        nominal = settings.global_batch or world * settings.min_batch * max(settings.micro_batch, 1)
+        self._balancer = Balancer(settings.rule, world, nominal, settings.min_batch,
                                   None if all(v == float("inf") for v in limits) else limits,
                                   granularity=max(settings.micro_batch, 1), smoothing=settings.smoothing,
                                   deadband=settings.deadband, significance=settings.significance,
@@ -130,8 +133,8 @@ class Plan:
             self._costs.observe(np.stack([r.work for r in window]), compute)
             changed = not np.array_equal(before, self._costs.per_unit_s)
             shares = self._costs.shares()
-            sizes, chosen, even, noise = batch_sizes(shares, self.settings.global_batch, self.settings.min_batch,
-                                                     None), None, None, None
+            B = self.settings.global_batch or max(sched.n_samples // sched.steps_per_epoch, self.world)
+            sizes, chosen, even, noise = batch_sizes(shares, B, self.settings.min_batch, None), None, None, None
         else:
             b.observe(np.stack([r.sizes for r in window]), compute, cpu)
             changed = b.decide()
@@ -176,12 +179,16 @@ class Plan:
                 "step": at.step if at.started else 0, "global_step": at.global_step, "identities": self.identities,
                 "steps_per_epoch": sched.steps_per_epoch,
                 "regimes": sched.regimes_state(sched.index(at.epoch, at.step)),
+                **({"token_budget": self.settings.token_budget} if self.settings.budgeted else {}),
                 **({"costs": self._costs.state_dict()} if self._costs is not None else {})}
 
     def load_state_dict(self, state: dict, identities: list[str] | None) -> None:
         """Resume: the balancer (carried over by worker identity to this world's, when known) and the position."""
         saved, ids, sched = state["balancer"], state.get("identities"), self.schedule
-        if (b := int(np.sum(saved["sizes"]))) != self.settings.global_batch:  # the sizes cut each step's window
+        if (t := state.get("token_budget")) != self.settings.token_budget:  # the budget cuts each step's window
+            raise ValueError(f"a state of token_budget {t}, but this Balance's is {self.settings.token_budget}: resume "
+                             f"with " + (f"token_budget={t}" if t else "the global_batch it was saved with"))
+        if not self.settings.budgeted and (b := int(np.sum(saved["sizes"]))) != self.settings.global_batch:
             raise ValueError(f"a state of the global batch {b}, but this Balance's is {self.settings.global_batch}: "
                              f"resume with global_batch={b}")
         m = self.settings.micro_batch

@@ -63,7 +63,10 @@ def probe_tokens_all(plan: Plan, model: torch.nn.Module, device: torch.device, m
     schedule's caps: what one forward holds (a micro-batch's, or without micro_batch the step's); HeteroError on
     every rank alike as probe_all."""
     s, sched = plan.settings, plan.schedule
-    hi = (s.micro_batch or s.global_batch) * max_length  # the most one forward could be given
+    # the most one forward could be given: m rows, the global batch's, or a token budget's step (at most the budget
+    # and one sample more in its tokens, as many rows)
+    rows = s.micro_batch or s.global_batch or s.token_budget + max_length
+    hi = rows * max_length
     probed = _agreed(plan, device, gpu, sched.token_probes, "max_tokens", lambda: probe_max_tokens(
         model, device, lo=1, hi=hi, max_length=max_length, collator=s.collator, autocast=autocast))
     caps = [p if pr else float(c) for p, pr, c in zip(probed, sched.token_probes, sched.row_caps)]

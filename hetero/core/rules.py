@@ -68,6 +68,14 @@ def check_tokens(s, spell: Spell = argument) -> None:
         if s.collator is None:
             raise ValueError(f"{spell('max_tokens')} caps the tokens of one forward of a split by tokens: set "
                              f"{spell('collator')}='padded' or 'packed'")
+    if s.token_budget is not None:
+        whole(spell("token_budget"), s.token_budget, 1)
+        if s.global_batch is not None:
+            raise ValueError(f"give {spell('global_batch')} (samples a step) or {spell('token_budget')} (about that "
+                             f"many tokens a step), not both")
+        if s.collator is None:
+            raise ValueError(f"{spell('token_budget')} cuts each step by its samples' tokens: set "
+                             f"{spell('collator')}='padded' or 'packed' and give batch_sampler(len(ds), lengths=...)")
     if s.collator is None:
         if s.attention is not None or s.loss_mean != "samples":
             which = spell("attention") if s.attention is not None else f"{spell('loss_mean')}='tokens'"

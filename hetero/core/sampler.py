@@ -71,7 +71,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             return spe
         others = 0 if p.settings.sit_out else p.world - 1  # each other rank runs at least one micro-batch
         if p.settings.by_tokens:  # ... of at least min_batch rows; cut by max_tokens, as many as its rows
-            rows = max(1, p.settings.global_batch - others * p.settings.min_batch)
+            rows = max(1, p.schedule.most_rows() - others * p.settings.min_batch)
             return spe * (rows if p.settings.max_tokens is not None else -(-rows // m))
         return spe * max(1, p.settings.global_batch // m - others)
 
@@ -97,9 +97,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         at, sched = p.at, p.schedule
         # refuses a second pass; > 0 in an epoch resumed mid-way
         first = sched.start_iteration(at.epoch, at.step if at.started else 0)
-        epoch, plan = at.epoch, EpochPlan(self.n_samples, p.settings.global_batch, self.seed, at.epoch)
-        m = p.settings.micro_batch
-        for step in range(first, plan.steps):
+        epoch, m = at.epoch, p.settings.micro_batch
+        plan = None if sched.cost is not None else EpochPlan(self.n_samples, p.settings.global_batch, self.seed, epoch)
+        for step in range(first, sched.steps_per_epoch):
             if sched.cost is not None and m:  # by tokens: cut by count and max_tokens
                 yield from (b.tolist() for b in sched.micro_at(epoch, step)[p.rank])
                 continue

@@ -8,7 +8,9 @@ is ever cut two ways. A replay fixes the sizes instead: recorded {epoch: [steps,
 
 By tokens (Settings.collator, issue 49): a regime is the fitted cost model (tokens.CostModel) instead of the
 balancer, and a position's rows are `tokens.split` of that step's window of the shared permutation, by the samples'
-lengths; its sizes are the counts of those rows. Which samples form a step (the window) never depends on the ranks.
+lengths; its sizes are the counts of those rows. Which samples form a step (the window) never depends on the ranks:
+global_batch samples, or with a token_budget the epoch's run of the permutation holding about that many tokens
+(tokens.budget_cuts), so the window's count varies from step to step and the sizes sum to it.
 
 The plan (plan.py) owns the schedule and the live balancer it copies regimes from; the sampler, the probe and the
 step engine read it. It holds no position of its own: where training is, is the plan's `at`, passed in.
@@ -27,7 +29,7 @@ from .partition import check_feasible
 from .rules import micro_batch_too_big, whole
 from .seeding import permutation
 from .settings import Settings
-from .tokens import Cost, CostModel, check_lengths, split
+from .tokens import Cost, CostModel, budget_cuts, budget_steps, check_lengths, split
 
 FAR = -(1 << 62)    # the start of the first regime: before any step
 ENDLESS = 1 << 62   # steps_per_epoch of a loop without epochs (no batch_sampler): one epoch that never ends
@@ -36,7 +38,7 @@ ENDLESS = 1 << 62   # steps_per_epoch of a loop without epochs (no batch_sampler
 def epoch_length(settings: Settings, n_samples: int) -> int:
     """n_samples checked as an epoch's length: a whole number of at least one global batch."""
     n = whole("n_samples", n_samples, 1)
-    if settings.global_batch > n:
+    if settings.global_batch is not None and settings.global_batch > n:
         raise ValueError(f"global batch {settings.global_batch} exceeds the {n} samples")
     return n
 
@@ -71,6 +73,7 @@ class SizeSchedule:
         self.row_caps = None if tokens is None else np.array([np.inf if t == "probe" else t for t in tokens], float)
         self.step_caps = self._whole(self.row_caps)
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, its permutation)
+        self._cuts: np.ndarray | None = None  # with token_budget: the epoch's [steps + 1] window offsets
 
     # -- the limits -------------------------------------------------------------------------------------------
     def check_limits(self, limits: list[float]) -> list[float]:
@@ -79,7 +82,8 @@ class SizeSchedule:
         if (r := micro_batch_too_big(m, limits)) is not None:
             raise ValueError(f"micro_batch {m} exceeds rank {r}'s largest batch {limits[r]:g}: lower micro_batch")
         limits = [float("inf")] * len(limits) if m else limits
-        check_feasible(len(limits), self.settings.global_batch, self.settings.min_batch, limits, max(m, 1))
+        if not self.settings.budgeted:  # a token budget's windows are checked per epoch (_epoch_windows)
+            check_feasible(len(limits), self.settings.global_batch, self.settings.min_batch, limits, max(m, 1))
         return limits
 
     def set_token_caps(self, caps: list[float]) -> None:
@@ -141,11 +145,7 @@ class SizeSchedule:
     def _split(self, costs: CostModel, epoch: int, step: int) -> list[np.ndarray]:
         """Every rank's sample indices at (epoch, step): the step's window of the shared permutation, split by the
         regime's fitted costs (each rank's rows in the permutation's order)."""
-        if self._perm is None or self._perm[0] != epoch:
-            self._perm = (epoch, permutation(self.n_samples, self.seed, epoch).numpy())
-            self._check_caps(epoch)
-        B = self.settings.global_batch
-        window = self._perm[1][step * B:(step + 1) * B]
+        window = self.window(epoch, step)
         fixed, per = costs.coefficients()
         cost = Cost(self.split_layout, costs.attention)
         try:
@@ -158,6 +158,43 @@ class SizeSchedule:
             return [window[np.sort(p)] for p in parts]
         # micro-batches of m: each rank's rows longest first (ties by position), so a padded micro-batch pads least
         return [window[p][np.lexsort((window[p], -self.lengths[window[p]]))] for p in parts]
+
+    def window(self, epoch: int, step: int) -> np.ndarray:
+        """By tokens: the sample indices of (epoch, step) over every rank, in the permutation's order: its
+        global_batch samples, or its run of the token budget."""
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, permutation(self.n_samples, self.seed, epoch).numpy())
+            self._epoch_windows(epoch)
+            self._check_caps(epoch)
+        if self._cuts is not None:
+            return self._perm[1][self._cuts[step]:self._cuts[step + 1]]
+        B = self.settings.global_batch
+        return self._perm[1][step * B:(step + 1) * B]
+
+    def _epoch_windows(self, epoch: int) -> None:
+        """With token_budget, before an epoch's first split: its steps' offsets into the permutation, each step
+        holding at least min_batch rows for every rank (else one line on every rank alike: the cuts are the same
+        everywhere)."""
+        if not self.settings.budgeted:
+            return
+        self._cuts = budget_cuts(self.lengths[self._perm[1]], self.settings.token_budget)
+        rows, least = np.diff(self._cuts), self.world * self.settings.min_batch
+        if (short := np.flatnonzero(rows < least)).size:
+            k = int(short[0])
+            tokens = int(self.lengths[self._perm[1][self._cuts[k]:self._cuts[k + 1]]].sum())
+            raise HeteroError(f"hetero: step {k} of epoch {epoch} holds {int(rows[k])} sample(s) ({tokens} tokens) "
+                              f"under token_budget {self.settings.token_budget}, fewer than {self.world} ranks x "
+                              f"min_batch {self.settings.min_batch}: raise token_budget")
+
+    def most_rows(self) -> int:
+        """The most samples one step can hold: global_batch, or under a token budget as many of the shortest samples
+        as fit within one step's most tokens (budget_cuts: the epoch's tokens over its steps, plus the longest
+        sample), in any epoch's order."""
+        if not self.settings.budgeted:
+            return self.settings.global_batch
+        L = np.sort(self.lengths)
+        most = -(-int(L.sum()) // self.steps_per_epoch) + int(L[-1])
+        return int(np.searchsorted(np.cumsum(L), most, side="right"))
 
     def _split_window(self, window: np.ndarray, fixed, per, cost: Cost) -> list[np.ndarray]:
         if self.step_caps is not None:
@@ -200,16 +237,16 @@ class SizeSchedule:
         under the fitted costs that finds none takes that one)."""
         if self.row_caps is None:
             return
-        B, k = self.settings.global_batch, self.settings.min_batch
+        k = self.settings.min_batch
         if self.step_caps is not None:
             for step in range(self.steps_per_epoch):
-                window = self._perm[1][step * B:(step + 1) * B]
+                window = self.window(epoch, step)
                 try:
                     self._split_window(window, *self._prior(), Cost(self.split_layout))
                 except ValueError:
                     L = self.lengths[window]
                     raise HeteroError(
-                        f"hetero: step {step} of epoch {epoch} cannot split its {B} samples ({int(L.min())}-"
+                        f"hetero: step {step} of epoch {epoch} cannot split its {L.size} samples ({int(L.min())}-"
                         f"{int(L.max())} tokens long, {int(L.sum())} in all) within the ranks' max_tokens "
                         f"{[None if np.isinf(c) else int(c) for c in self.step_caps]} with {k} row(s) each, "
                         f"{self.settings.collator}: raise max_tokens, or give micro_batch (a rank's rows in several "
@@ -217,14 +254,15 @@ class SizeSchedule:
             return
         order = np.argsort(self.row_caps, kind="stable")  # the ranks holding the shortest rows first
         for step in range(self.steps_per_epoch):
-            L = np.sort(self.lengths[self._perm[1][step * B:(step + 1) * B]])
+            L = np.sort(self.lengths[self.window(epoch, step)])
             # Hall's condition on nested sets: the j ranks with the lowest caps take rows only under the j-th cap
             for j, r in enumerate(order, start=1):
                 if np.searchsorted(L, self.row_caps[r], side="right") < j * k:
                     raise HeteroError(
                         f"hetero: step {step} of epoch {epoch} cannot give rank {r} {k} row(s) of at most "
-                        f"{self.row_caps[r]:g} tokens (its max_tokens) beside the ranks holding less: its {B} samples "
-                        f"are {int(L[0])}-{int(L[-1])} tokens long; raise rank {r}'s max_tokens or the global batch")
+                        f"{self.row_caps[r]:g} tokens (its max_tokens) beside the ranks holding less: its {L.size} "
+                        f"samples are {int(L[0])}-{int(L[-1])} tokens long; raise rank {r}'s max_tokens or the "
+                        f"global batch")
 
     def rows_at(self, epoch: int, step: int) -> list[np.ndarray]:
         """By tokens: every rank's sample indices at (epoch, step), fixed from now on (as sizes_at)."""
@@ -253,14 +291,17 @@ class SizeSchedule:
         return self.index(epoch, step) in self.planned
 
     def set_length(self, n_samples: int, tokens: tuple | None = None) -> None:
-        """The epoch's length: floor(n / B) steps; by tokens, by_tokens' (lengths, loss tokens, seed) too."""
+        """The epoch's length: floor(n / B) steps, or with token_budget ceil(its tokens / the budget); by tokens,
+        by_tokens' (lengths, loss tokens, seed) too."""
         n = epoch_length(self.settings, n_samples)
-        self.n_samples, self.steps_per_epoch = n, n // self.settings.global_batch
-        replay.fit(self.replayed, self.world, self.steps_per_epoch)  # a record of other epochs is refused here
         if tokens is not None:
             self.lengths, self.counted, self.seed = tokens
-            self._perm = None
+            self._perm = self._cuts = None
             self._check_longest()
+        self.n_samples = n
+        self.steps_per_epoch = budget_steps(self.lengths, self.settings.token_budget) if self.settings.budgeted \
+            else n // self.settings.global_batch
+        replay.fit(self.replayed, self.world, self.steps_per_epoch)  # a record of other epochs is refused here
 
     def _check_longest(self) -> None:
         """A sample longer than every rank's max_tokens is refused, naming it (the lengths known)."""

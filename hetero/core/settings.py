@@ -15,7 +15,7 @@ from .rules import check_sit_out, check_tokens, fraction, whole
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """What a Balance is built with (Balance's Args); validated in __post_init__."""
-    global_batch: int             # samples per step over every rank (the sizes sum to it)
+    global_batch: int | None = None  # samples per step over every rank (the sizes sum to it); None: token_budget
     scheme: str = "edp"           # sync, dp, edp or affine (partition.SCHEMES)
     rebalance_every: int = 0      # decide every K steps; 0: at each epoch's end only
     smoothing: float = 0.0        # weight of the previous estimate, [0, 1)
@@ -33,11 +33,13 @@ class Settings:
     loss_mean: str = "samples"    # the loss's mean: over samples (weights b_i/B) or over tokens (n_i/N)
     max_tokens: int | Sequence | None = None  # with collator: tokens one forward holds, per rank ("probe")
     weighting: str = "hook"       # DDP: "hook" (a comm hook weighs the gradients) or "loss" (bal.backward(loss))
+    token_budget: int | None = None  # with collator, in place of global_batch: about this many tokens a step
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {self.scheme!r} (choose from {', '.join(SCHEMES)})")
-        whole("global_batch", self.global_batch, 1)
+        if self.token_budget is None or self.global_batch is not None:
+            whole("global_batch", self.global_batch, 1)
         whole("rebalance_every", self.rebalance_every, 0)
         whole("micro_batch", self.micro_batch, 0)
         whole("seed", self.seed, 0)
@@ -61,6 +63,12 @@ class Settings:
     def by_tokens(self) -> bool:
         """Each step's samples are split by what they cost (tokens.py), from the lengths given to batch_sampler."""
         return self.collator is not None
+
+    @property
+    def budgeted(self) -> bool:
+        """Each step is the run of the permutation holding about token_budget tokens (schedule.budget_cuts), not
+        global_batch samples."""
+        return self.token_budget is not None
 
     @property
     def rule(self) -> str:

@@ -101,31 +101,37 @@ def check_lengths(lengths, samples: int | None = None) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def budget_steps(lengths, budget: int) -> np.ndarray:
-    """Steps of a token budget: the boundaries (into `lengths`, in the order drawn) of consecutive runs of samples whose
-    tokens sum to at most `budget`, each closed where the next sample would overflow it. The run the data ends in is
-    left out unless it fills the budget exactly (as the N mod B samples past the last whole step of B are). Which
-    samples form a step depends on the lengths, their order and the budget only: never on the ranks, their speeds or
-    their memory.
-
-    Returns [steps + 1] offsets: step s is lengths[offsets[s]:offsets[s + 1]].
-    """
+def budget_steps(lengths, budget: int) -> int:
+    """How many steps an epoch of a token budget has: ceil(T / budget) for the samples' T tokens, the same in every
+    epoch (a scheduler, a loader's length and a resume can count on it). A budget above T, or a sample longer than
+    the budget, is refused in one line."""
     L = check_lengths(lengths)
     if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
         raise ValueError(f"hetero: the token budget must be a whole number of tokens >= 1 (got {budget!r})")
     if (over := np.flatnonzero(L > budget)).size:
         i = int(over[0])
         raise ValueError(f"hetero: sample {i} is {int(L[i])} tokens long, more than the step's token budget of "
-                         f"{budget}: raise the budget to at least {int(L.max())}")
-    offsets, total = [0], 0
-    for j, length in enumerate(L.tolist()):
-        if total + length > budget:
-            offsets.append(j)
-            total = 0
-        total += length
-    if total == budget:  # the data ends on a full step
-        offsets.append(L.size)
-    return np.asarray(offsets, dtype=np.int64)
+                         f"{budget}: raise token_budget to at least {int(L.max())}")
+    if budget > (total := int(L.sum())):
+        raise ValueError(f"hetero: token_budget {budget} exceeds the {total} tokens of the {L.size} samples")
+    return -(-total // int(budget))
+
+
+def budget_cuts(lengths, budget: int) -> np.ndarray:
+    """One epoch's steps of a token budget: its samples' `lengths` in the order drawn (the shared permutation's) cut
+    into S = budget_steps consecutive runs at even quantiles of their tokens. Sample j goes to run floor(S x (the
+    tokens before it + half its own) / T), in integers. Every sample lands in exactly one step (none is dropped, as
+    the N mod B samples past the last step of B are), and a step's tokens are within one sample's length of T / S
+    (at most the budget). Which samples form a step depends on the lengths, their order and the budget only: never
+    on the ranks, their speeds or their memory.
+
+    Returns [S + 1] offsets: step s is lengths[offsets[s]:offsets[s + 1]].
+    """
+    L = check_lengths(lengths)
+    steps = budget_steps(L, budget)
+    ends = np.cumsum(L)
+    run = (steps * (2 * ends - L)) // (2 * int(ends[-1]))  # the run of each sample's midpoint
+    return np.searchsorted(run, np.arange(steps + 1), side="left").astype(np.int64)
 
 
 def _coefficients(n_ranks: int, fixed_s, per_unit_s, caps) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

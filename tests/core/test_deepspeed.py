@@ -164,6 +164,20 @@ def _door(monkeypatch, stage: int = 2, micro_batch: int | None = None, rank: int
     return bal, ds, iter(batches)
 
 
+def test_a_token_budget_is_refused_at_attach(monkeypatch):
+    """DeepSpeed's config counts a step in samples; a token budget's steps vary in count: one line, before any step."""
+    import hetero
+    from hetero.core.deepspeed import attach
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    bal = hetero.Balance(token_budget=4096, collator="padded")
+    with pytest.raises(ValueError, match=r"^hetero: DeepSpeed's config counts a step in samples \(train_batch_size\), "
+                                         r"and a token_budget cuts steps of varying counts: build the Balance with "
+                                         r"global_batch=train_batch_size$"):
+        attach(bal.engine, StandIn(2))
+
+
 def _loop(bal, ds, batches, mistake: str = "") -> None:
     """One step of the loop docs/deepspeed.md gives (each micro-batch in `with bal.step()`: the forward,
     engine.backward(loss), engine.step()), with `mistake` made where it is one: engine.step() before the backward

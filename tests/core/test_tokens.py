@@ -24,7 +24,7 @@ import hetero
 from hetero.core import partition
 from hetero.core.memory import fitting_tokens
 from hetero.core.sampler import EpochPlan
-from hetero.core.tokens import Cost, CostModel, budget_steps, check_lengths, micro_batches, split, times
+from hetero.core.tokens import Cost, CostModel, budget_cuts, budget_steps, check_lengths, micro_batches, split, times
 
 import tokenlm
 from helpers import spawned
@@ -226,27 +226,32 @@ def test_micro_batches_fit_the_cap_and_cover_each_row_once(collator):
         micro_batches([10, 700], 512, cost)
 
 
-def test_budget_steps_close_before_an_overflow_and_leave_out_the_unfinished_end():
-    # runs: 5+4 (the 2 would overflow 10), 2+6+1+1 = 10, then 3+2 unfinished at the end: left out
-    assert budget_steps([5, 4, 2, 6, 1, 1, 3, 2], 10).tolist() == [0, 2, 6]
-    assert budget_steps([5, 4, 2, 6, 1, 1, 3, 7], 10).tolist() == [0, 2, 6, 8]  # the end fills it exactly: kept
+def test_budget_cuts_are_consecutive_runs_near_an_even_share_of_the_tokens_covering_every_sample():
+    # 24 tokens, budget 10: ceil(24 / 10) = 3 steps of about 8; midpoints 2.5 6.5 9.5 13 18 21.5 22.5 23.5 -> runs
+    # floor(3 x midpoint / 24) = 0 0 1 1 2 2 2 2: steps of 8, 7 and 9 tokens
+    assert budget_steps([5, 3, 3, 4, 6, 1, 1, 1], 10) == 3
+    assert budget_cuts([5, 3, 3, 4, 6, 1, 1, 1], 10).tolist() == [0, 2, 4, 8]
     rng = np.random.default_rng(7)
     for _ in range(30):
         lengths, budget = _long_tailed(rng, 500), int(rng.integers(1024, 8192))
-        off = budget_steps(lengths, budget)
+        off = budget_cuts(lengths, budget)
+        steps, total = len(off) - 1, int(lengths.sum())
+        assert steps == budget_steps(lengths, budget) == -(-total // budget)
+        assert off[0] == 0 and off[-1] == len(lengths) and np.all(np.diff(off) >= 1)  # every sample, once, in order
         sums = np.array([lengths[a:b].sum() for a, b in zip(off[:-1], off[1:])])
-        assert len(sums) >= 4 and np.all(sums <= budget) and np.all(np.diff(off) >= 1)
-        after = np.append(lengths, budget + 1)[off[1:]]  # the sample after each step (none after the data's end)
-        assert np.all(sums + after > budget)  # each step closed only where the next sample overflowed it
-        assert lengths[off[-1]:].sum() <= budget  # what is left out would not have filled a step
+        assert np.all(np.abs(sums - total / steps) <= lengths.max())  # within one sample of an even share
+        assert budget_steps(rng.permutation(lengths), budget) == steps  # the same count in any order
+    assert budget_cuts([7], 7).tolist() == [0, 1]
 
 
-def test_a_sample_over_the_token_budget_is_refused_by_position_and_length():
+def test_a_sample_over_the_token_budget_or_a_budget_over_the_data_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^hetero: sample 1 is 40 tokens long, more than the step's token budget "
-                                         r"of 32: raise the budget to at least 40$"):
-        budget_steps([8, 40, 8], 32)
+                                         r"of 32: raise token_budget to at least 40$"):
+        budget_cuts([8, 40, 8], 32)
     with pytest.raises(ValueError, match="^hetero: the token budget must be a whole number of tokens >= 1"):
         budget_steps([8], 0)
+    with pytest.raises(ValueError, match="^hetero: token_budget 64 exceeds the 24 tokens of the 3 samples$"):
+        budget_steps([8, 8, 8], 64)
 
 
 def test_the_cost_model_recovers_each_ranks_fixed_and_per_token_cost_and_starts_equal():
@@ -395,6 +400,75 @@ def test_by_tokens_an_epoch_hands_out_every_sample_once_and_learns_the_cost():
     again.batch_sampler(100, lengths=lengths)
     again.load_state_dict(state)
     assert again.state_dict()["costs"] == state["costs"]
+
+
+def test_a_token_budget_cuts_every_epoch_into_the_same_steps_of_varying_counts_each_sample_once_and_resumes():
+    """Two ranks of one world (each its own Balance, no process group): every epoch has ceil(T / budget) steps, the
+    loader's length; each step's rows over the ranks are a run of the permutation, and the epoch's runs hold every
+    sample once (none dropped, though 100 is no multiple of any step's count); the counts differ between steps."""
+    import hetero
+
+    lengths = np.random.default_rng(3).integers(1, 513, 100)
+    budget, steps = 5000, -(-int(lengths.sum()) // 5000)
+    ranks = []
+    for rank in range(2):
+        bal = hetero.Balance(token_budget=budget, collator="packed", rebalance_every=2)
+        bal.set_world(rank, 2)
+        ranks.append((bal, bal.batch_sampler(100, lengths=lengths)))
+    assert steps == 6 and all(len(sampler) == steps for _, sampler in ranks)
+    for epoch in range(2):
+        rows = [[], []]
+        for rank, (bal, sampler) in enumerate(ranks):
+            bal.set_epoch(epoch)
+            rows[rank] = [sampler.rows_at(epoch, step) for step in range(steps)]
+        perm, counts = EpochPlan(100, 1, 0, epoch).perm.tolist(), [len(a) + len(b) for a, b in zip(*rows)]
+        ends = np.cumsum([0, *counts])
+        assert [sorted(a + b) for a, b in zip(*rows)] == [sorted(perm[x:y]) for x, y in zip(ends[:-1], ends[1:])]
+        assert ends[-1] == 100 and len(set(counts)) > 1, counts
+    state = ranks[0][0].state_dict()
+    again = hetero.Balance(token_budget=budget, collator="packed")
+    again.set_world(0, 2)
+    again.batch_sampler(100, lengths=lengths)
+    again.load_state_dict(state)
+    other = hetero.Balance(global_batch=16, collator="packed")
+    other.set_world(0, 2)
+    with pytest.raises(ValueError, match="^a state of token_budget 5000, but this Balance's is None: resume with "
+                                         "token_budget=5000$"):
+        other.load_state_dict(state)
+
+
+def test_a_bad_token_budget_is_one_line_before_any_step():
+    import hetero
+
+    lengths = np.array([300, 20, 30, 25, 40, 35])  # 450 tokens
+    for kwargs, n, line in [
+        ({"token_budget": 100}, 6, "^token_budget cuts each step by its samples' tokens: set collator='padded' or "
+                                   "'packed'"),
+        ({"token_budget": 100, "global_batch": 8, "collator": "padded"}, 6, r"^give global_batch \(samples a step\) "
+                                                                            "or token_budget"),
+        ({"token_budget": 0, "collator": "padded"}, 6, "^token_budget must be a whole number >= 1"),
+        ({"collator": "padded"}, 6, r"^global_batch must be a whole number >= 1 \(got None\)"),
+        ({"token_budget": 1000, "collator": "padded"}, 6, "^hetero: token_budget 1000 exceeds the 450 tokens of the 6 "
+                                                          "samples$"),
+        ({"token_budget": 200, "collator": "padded"}, 6, "^hetero: sample 0 is 300 tokens long, more than the "
+                                                         "step's token budget of 200: raise token_budget to at least "
+                                                         "300$"),
+    ]:
+        with pytest.raises(ValueError, match=line) as e:
+            bal = hetero.Balance(**kwargs)
+            bal.set_world(0, 2)
+            bal.batch_sampler(n, lengths=lengths)
+        assert "\n" not in str(e.value)
+    # 105 tokens in 2 steps of about 52: each holds at most 5 samples, fewer than 2 ranks x min_batch 3, refused
+    # before the epoch's first step, naming the step
+    bal = hetero.Balance(token_budget=100, collator="padded", min_batch=3)
+    bal.set_world(0, 2)
+    sampler = bal.batch_sampler(6, lengths=np.array([100, 1, 1, 1, 1, 1]))
+    bal.set_epoch(0)
+    with pytest.raises(hetero.HeteroError, match=r"^hetero: step 0 of epoch 0 holds \d sample\(s\) \(\d+ tokens\) "
+                                                 r"under token_budget 100, fewer than 2 ranks x min_batch 3: raise "
+                                                 r"token_budget$"):
+        next(iter(sampler))
 
 
 @pytest.mark.parametrize("kwargs, line", [
@@ -707,9 +781,13 @@ CAPS = {"capped-micro1-padded-tokens": 200, "capped-micro3-packed-samples": 600,
         # above OOM tokens on the last rank): the caps gathered, the last rank's 0.9 x OOM
         "probed-micro2-padded-tokens": 540}
 OOM = 600
+# a token budget in place of B: ceil(18,979 / 6,400) = 3 steps an epoch of about 6,326 tokens, 28, 21 and 23 samples
+BUDGET = {"budget-padded-tokens": 6400, "budget-packed-samples": 6400, "budget-micro2-padded-samples": 6400,
+          "fsdp2-budget-packed-tokens": 6400, "budget-weights-of-a-fixed-batch": 6400}
+MICRO["budget-micro2-padded-samples"] = 2
 
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
-    #               the loop sets equal weights)
+    #               a weight the loop sets: False, "equal" 1 / world, "fixed" its count over an epoch's mean count)
     "padded-tokens": ("padded", "tokens", "tokens", True, False),
     "padded-samples": ("padded", "samples", "samples", True, False),
     "packed-tokens": ("packed", "tokens", "tokens", True, False),
@@ -727,9 +805,15 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "capped-padded-tokens": ("padded", "tokens", "tokens", True, False),
     "capped-packed-samples": ("packed", "samples", "samples", True, False),
     "probed-micro2-padded-tokens": ("padded", "tokens", "tokens", True, False),
+    # a token budget: steps of varying counts, each weighed over its own (every sample of the epoch in one step)
+    "budget-padded-tokens": ("padded", "tokens", "tokens", True, False),
+    "budget-packed-samples": ("packed", "samples", "samples", True, False),
+    "budget-micro2-padded-samples": ("padded", "samples", "samples", True, False),
+    "fsdp2-budget-packed-tokens": ("packed", "tokens", "tokens", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
-    "equal-weights": ("padded", "tokens", "tokens", True, True),
+    "equal-weights": ("padded", "tokens", "tokens", True, "equal"),
+    "budget-weights-of-a-fixed-batch": ("padded", "samples", "samples", True, "fixed"),  # b_i over N / steps
     "packed-without-document-mask": ("packed", "tokens", "tokens", False, False),
 }
 
@@ -754,12 +838,13 @@ def _worker(rank: int, out: str, world: int) -> None:
     lengths, tokens, labels = tokenlm.corpus(N)
     counted = np.array([int((y != tokenlm.IGNORE).sum()) for y in labels])
     result = {}
-    for name, (collator, mean, loss_mean, documents, equal) in CASES.items():
+    for name, (collator, mean, loss_mean, documents, weight) in CASES.items():
         net = tokenlm.PrefixLM(documents=documents)
         ddp = fully_shard(net) if name.startswith("fsdp2") else DDP(net)
         m = MICRO.get(name, 0)
         caps = [None] * (world - 1) + [CAPS[name]] if name in CAPS else None
-        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean=mean, rebalance_every=1, micro_batch=m,
+        bal = hetero.Balance(global_batch=None if name in BUDGET else B, token_budget=BUDGET.get(name),
+                             collator=collator, loss_mean=mean, rebalance_every=1, micro_batch=m,
                              max_tokens="probe" if name.startswith("probed") else caps)
         if name.startswith("probed"):  # the probe's search runs on the CPU as on a GPU, before DDP
             hetero.core.probe.probe_max_tokens = fitting_tokens
@@ -783,8 +868,8 @@ def _worker(rank: int, out: str, world: int) -> None:
                 scale = counted[idx].sum() / counted[mine].sum() if loss_mean == "tokens" else len(idx) / len(mine)
             batch = tokenlm.collate(idx, tokens, labels, collator)
             with bal.step(len(idx)):
-                if equal:
-                    bal.set_weight(1 / world)
+                if weight:  # (no micro-batches in these cases)
+                    bal.set_weight(1 / world if weight == "equal" else len(idx) * len(sampler) / N)
                 (scale * tokenlm.loss(ddp, batch, loss_mean, len(idx))).backward()
                 if bal.sync_now:
                     opt.step()
@@ -804,14 +889,30 @@ def launched(request, tmp_path_factory):
     return world, spawned(_worker, tmp_path_factory.mktemp(f"tokens{world}"), world, (world,))
 
 
+def _windows(ranks: list[dict], name: str) -> list[list[int]]:
+    """Each step's window of the permutation: B samples; under a token budget the epoch's consecutive runs, as many
+    as ceil(its tokens / the budget), each within one sample's length of an even share of the tokens, every sample in
+    one."""
+    perm = EpochPlan(N, B, 0, 0).perm.tolist()
+    if name not in BUDGET:
+        return [perm[s * B:(s + 1) * B] for s in range(N // B)]
+    lengths, counts = tokenlm.corpus(N)[0], [sum(len(part) for part in parts) for parts in zip(*(r[name]["rows"]
+                                                                                              for r in ranks))]
+    steps, total = -(-int(lengths.sum()) // BUDGET[name]), int(lengths.sum())
+    assert len(counts) == steps and sum(counts) == N and len(set(counts)) > 1, counts  # counts vary, all covered
+    ends = np.cumsum([0, *counts])
+    windows = [perm[a:b] for a, b in zip(ends[:-1], ends[1:])]
+    assert all(abs(lengths[w].sum() - total / steps) <= lengths.max() for w in windows)
+    return windows
+
+
 def _steps(ranks: list[dict], name: str) -> list[list[int]]:
     """Each step's samples over every rank (sorted), checked to be exactly the step's window of the permutation."""
     per_rank = [r[name]["rows"] for r in ranks]
-    perm = EpochPlan(N, B, 0, 0).perm.tolist()
     steps = []
-    for s, parts in enumerate(zip(*per_rank)):
+    for s, (parts, window) in enumerate(zip(zip(*per_rank), _windows(ranks, name))):
         union = sorted(i for part in parts for i in part)
-        assert union == sorted(perm[s * B:(s + 1) * B]), f"{name}: step {s} is not its window"
+        assert union == sorted(window), f"{name}: step {s} is not its window"
         assert all(parts), f"{name}: step {s} left a rank without rows"
         steps.append(union)
     return steps
@@ -825,9 +926,9 @@ def _miss(got: list[float], want: list[float]) -> float:
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[1] == c[2] and c[3] and not c[4]])
 def test_a_split_by_tokens_equals_one_process_on_the_unpacked_union(launched, name):
     world, ranks = launched
-    steps = _steps(ranks, name)
-    assert sorted(i for s in steps for i in s) == sorted(EpochPlan(N, B, 0, 0).perm[:len(steps) * B].tolist())
-    assert len({i for s in steps for i in s}) == len(steps) * B  # coverage: every sample of the epoch once
+    steps, windows = _steps(ranks, name), _windows(ranks, name)
+    assert sorted(i for s in steps for i in s) == sorted(i for w in windows for i in w)
+    assert len({i for s in steps for i in s}) == sum(map(len, windows))  # coverage: every sample of the epoch once
     _, tokens, labels = tokenlm.corpus(N)
     want = tokenlm.reference(steps, tokens, labels, CASES[name][2], LR)
     for r in ranks:  # after 1 and after 3 steps, on every rank
@@ -845,8 +946,8 @@ def test_a_split_by_tokens_equals_one_process_on_the_unpacked_union(launched, na
         by_count = [sorted(r, key=lambda i: (-lengths[i], i)) for r in ranks[-1][name]["rows"]]
         assert (max(lengths[i] for s in steps for i in s) > cap if m == 1 else
                 any(cost.work(lengths[r[i:i + m]]) > cap for r in by_count for i in range(0, len(r), m)))
-    perm = EpochPlan(N, B, 0, 0).perm.tolist()  # not the split by counts: rank 0's rows are not the window's head
-    assert any(sorted(r0) != sorted(perm[s * B:s * B + len(r0)]) for s, r0 in enumerate(ranks[0][name]["rows"]))
+    # not the split by counts: rank 0's rows are not the window's head
+    assert any(sorted(r0) != sorted(w[:len(r0)]) for w, r0 in zip(windows, ranks[0][name]["rows"]))
 
 
 @pytest.mark.launch

@@ -120,6 +120,11 @@ class HeteroTrainer(Trainer):
         if bal.settings.micro_batch and bal.settings.micro_batch != m:
             raise ValueError(f"hetero: the Balance's micro_batch {bal.settings.micro_batch} must equal "
                              f"per_device_train_batch_size {m}: the Trainer's micro-batch")
+        if bal.settings.budgeted:
+            raise ValueError(f"hetero: HeteroTrainer takes a Balance of global_batch samples a step (per_device_train_"
+                             f"batch_size x gradient_accumulation_steps x world = {m * g * bal.world}): the Trainer "
+                             f"counts its steps and accumulation by samples; token_budget is for a loop of your own "
+                             f"(docs/tokens.md)")
         if m * g * bal.world != bal.settings.global_batch:
             raise ValueError(f"hetero: per_device_train_batch_size x gradient_accumulation_steps x world ({m} x {g} "
                              f"x {bal.world}) must equal the Balance's global_batch {bal.settings.global_batch}: the "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,21 +68,25 @@ def _step(accelerator: Accelerator, scheme: str, factor: float) -> dict:
 
 
 TN, TB, TLR = 72, 24, 0.5  # by tokens: 3 steps of 24 documents
-TOKENS = {"tokens-padded": ("padded", 0), "tokens-packed": ("packed", 0), "tokens-padded-micro2": ("padded", 2)}
+TOKENS = {"tokens-padded": ("padded", 0), "tokens-packed": ("packed", 0), "tokens-padded-micro2": ("padded", 2),
+          "budget-packed-samples": ("packed", 0)}  # a token budget: 3 steps of 28, 21 and 23 documents, sample-mean
+BUDGET = 6400
 
 
-def _by_tokens(accelerator: Accelerator, collator: str, m: int) -> dict:
+def _by_tokens(accelerator: Accelerator, collator: str, m: int, budget: int | None = None) -> dict:
     """An epoch of the own-loop recipe of docs/tokens.md through accelerate: each step's rows and the parameters
     after it."""
     lengths, tokens, labels = tokenlm.corpus(TN)
     counted = [int((y != tokenlm.IGNORE).sum()) for y in labels]
-    bal = hetero.Balance(global_batch=TB, collator=collator, loss_mean="tokens", rebalance_every=1, micro_batch=m)
+    mean = "samples" if budget else "tokens"
+    bal = hetero.Balance(global_batch=None if budget else TB, token_budget=budget, collator=collator, loss_mean=mean,
+                         rebalance_every=1, micro_batch=m)
     model = tokenlm.PrefixLM()
     opt = torch.optim.SGD(model.parameters(), lr=TLR)
     model, opt = prepare(accelerator, bal, model, opt)
-    sampler = bal.batch_sampler(TN, lengths=lengths, loss_tokens=counted)
+    sampler = bal.batch_sampler(TN, lengths=lengths, loss_tokens=None if budget else counted)
     bal.set_epoch(0)
-    rows, params = [[] for _ in range(TN // TB)], []
+    rows, params = [[] for _ in range(len(sampler) if not m else TN // TB)], []
     for idx in sampler:
         step = bal.position.step
         rows[step] += idx
@@ -89,7 +94,7 @@ def _by_tokens(accelerator: Accelerator, collator: str, m: int) -> dict:
         scale = sum(counted[i] for i in idx) / sum(counted[i] for i in mine) if m else 1.0
         with bal.step(len(idx)):
             accelerator.backward(scale * tokenlm.loss(model, tokenlm.collate(idx, tokens, labels, collator),
-                                                      "tokens", len(idx)))
+                                                      mean, len(idx)))
             if bal.sync_now:
                 opt.step()
                 opt.zero_grad()
@@ -107,7 +112,7 @@ def _worker(rank: int, out: str) -> None:
     except ValueError as e:
         result["fixed"] = str(e)
     for name, (collator, m) in TOKENS.items():  # before the FSDP2 cases: AcceleratorState keeps their plugin
-        result[name] = _by_tokens(Accelerator(cpu=True), collator, m)
+        result[name] = _by_tokens(Accelerator(cpu=True), collator, m, BUDGET if name.startswith("budget") else None)
     for name, (scheme, factor, fsdp) in CASES.items():
         if fsdp:
             _fsdp_on_cpu()
@@ -148,16 +153,20 @@ def test_accumulating_per_rank_counts_in_an_accelerate_loop_is_the_union_step(ra
 @pytest.mark.parametrize("name", TOKENS)
 def test_an_accelerate_loop_split_by_tokens_is_the_union_step(ranks, name):
     perm = EpochPlan(TN, TB, 0, 0).perm.tolist()
+    counts = [len(a) + len(b) for a, b in zip(*(r[name]["rows"] for r in ranks))]
+    ends = np.cumsum([0, *counts]) if name.startswith("budget") else np.arange(0, TN + 1, TB)
+    if name.startswith("budget"):  # 3 runs of the permutation of varying counts, each about a third of the tokens
+        assert len(counts) == 3 and len(set(counts)) > 1 and ends[-1] == TN, counts
     steps = []
     for s, parts in enumerate(zip(*(r[name]["rows"] for r in ranks))):
-        assert sorted(parts[0] + parts[1]) == sorted(perm[s * TB:(s + 1) * TB]), f"step {s} is not its window"
+        assert sorted(parts[0] + parts[1]) == sorted(perm[ends[s]:ends[s + 1]]), f"step {s} is not its window"
         assert parts[0] and parts[1]
         steps.append(sorted(parts[0] + parts[1]))
     assert sorted(i for s in steps for i in s) == list(range(TN))  # every document of the epoch once
     _, tokens, labels = tokenlm.corpus(TN)
-    want = tokenlm.reference(steps, tokens, labels, "tokens", TLR)
+    want = tokenlm.reference(steps, tokens, labels, "samples" if name.startswith("budget") else "tokens", TLR)
     for r in ranks:
         assert len(r[name]["params"]) == 3
         for got, ref in zip(r[name]["params"], want):
             assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-9
-    assert any(sorted(r0) != sorted(perm[s * TB:s * TB + len(r0)]) for s, r0 in enumerate(ranks[0][name]["rows"]))
+    assert any(sorted(r0) != sorted(perm[ends[s]:ends[s] + len(r0)]) for s, r0 in enumerate(ranks[0][name]["rows"]))

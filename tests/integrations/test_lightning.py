@@ -121,7 +121,7 @@ def _exact_run(tmp_path, *cases: str) -> subprocess.CompletedProcess:
 
 # strategy:mode[:broken]: every case that must train, each a fit of its own in one Lightning launch
 CASES = ["ddp:micro", "fsdp:micro", "fsdp:batch", "ddp:micro:double", "ddp:micro:remove", "ddp:micro:equal",
-         "ddp:tokens"]
+         "ddp:tokens", "ddp:budget"]
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +250,26 @@ def test_a_step_split_by_tokens_is_one_process_on_the_unpacked_union(exact):
     window = EpochPlan(mod.N, mod.B, 0, 0).perm[:mod.B].tolist()
     assert sorted(i for r in ranks for b in r["batches"] for i in b) == sorted(window)
     want = tokenlm.reference([window], mod.TOKENS, mod.LABELS, "tokens", mod.LR)[0]
+    for r in ranks:
+        got = [v for p in r["params"] for v in p]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-9
+
+
+@pytest.mark.slow  # in the launch of CASES
+def test_a_step_of_a_token_budget_is_one_process_on_the_unpacked_union(exact):
+    """Lightning with Balance(token_budget=360, collator="padded"): the first step is the permutation's first run of
+    about a quarter of the tokens (7 documents here, where global_batch said 16), split by cost; a sample-mean loss
+    weighed b_i over that step's count equals one process's step on it."""
+    import tokenlm
+
+    mod = _script()
+    ranks = exact["ddp:budget"]
+    rows = sorted(i for r in ranks for b in r["batches"] for i in b)
+    perm, lengths = EpochPlan(mod.N, mod.B, 0, 0).perm.tolist(), mod.LENGTHS
+    window = perm[:len(rows)]
+    assert rows == sorted(window) and all(r["batches"] for r in ranks)
+    assert abs(lengths[window].sum() - lengths.sum() / 4) <= lengths.max() and len(window) != mod.B
+    want = tokenlm.reference([window], mod.TOKENS, mod.LABELS, "samples", mod.LR)[0]
     for r in ranks:
         got = [v for p in r["params"] for v in p]
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-9

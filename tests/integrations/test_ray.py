@@ -374,7 +374,8 @@ def test_a_run_resized_through_restarts_keeps_the_global_batch_and_coverage(tmp_
 def test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_union(tmp_path):
     """tests/scripts/ray_tokens.py (issue 49): two Ray Train workers split each step's documents by their tokens'
     fitted cost, padded and packed, with a token-mean loss; every step's rows are its window, every document of the
-    epoch is seen once, and the parameters after each step equal one process on the unpacked union."""
+    epoch is seen once, and the parameters after each step equal one process on the unpacked union; under a token
+    budget (packed, a sample-mean loss) the steps are the permutation's runs of varying counts."""
     import numpy as np
 
     from hetero.core.sampler import EpochPlan
@@ -388,13 +389,16 @@ def test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_un
     n, b = 72, 24
     perm = EpochPlan(n, b, 0, 0).perm.tolist()
     _, tokens, labels = tokenlm.corpus(n)
-    for collator in ("padded", "packed"):
+    for collator in ("padded", "packed", "budget"):
+        counts = [len(r0) + len(r1) for r0, r1 in zip(ranks[0][collator]["rows"], ranks[1][collator]["rows"])]
+        ends = np.cumsum([0, *counts]) if collator == "budget" else np.arange(0, n + 1, b)
+        assert collator != "budget" or (len(counts) == 3 and len(set(counts)) > 1), counts
         steps = []
         for s, (r0, r1) in enumerate(zip(ranks[0][collator]["rows"], ranks[1][collator]["rows"])):
-            assert sorted(r0 + r1) == sorted(perm[s * b:(s + 1) * b]) and r0 and r1, f"{collator}: step {s}"
+            assert sorted(r0 + r1) == sorted(perm[ends[s]:ends[s + 1]]) and r0 and r1, f"{collator}: step {s}"
             steps.append(sorted(r0 + r1))
         assert sorted(i for s in steps for i in s) == list(range(n))
-        want = tokenlm.reference(steps, tokens, labels, "tokens", 0.5)
+        want = tokenlm.reference(steps, tokens, labels, "samples" if collator == "budget" else "tokens", 0.5)
         for r in ranks:
             assert len(r[collator]["params"]) == 3
             assert max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))

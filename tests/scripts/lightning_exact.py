@@ -7,7 +7,8 @@ STRATEGY: ddp (DDPStrategy) or fsdp (ModelParallelStrategy, fully_shard in confi
 MODE: micro (micro_batch 4, replayed counts k = [1, 3], manual optimisation: each batch in `with bal.step():`),
       batch (no micro_batch, replayed sizes [3, 13], automatic optimisation), or tokens (documents of 1-64 tokens,
       Balance(collator="padded", loss_mean="tokens"): each step split by the lengths, a token-mean loss, automatic
-      optimisation; tests/tokenlm.py).
+      optimisation; tests/tokenlm.py), or budget (the same documents, Balance(token_budget=BUDGET,
+      collator="padded"): steps of 7-10 documents, a sample-mean loss).
 BREAK (negative controls): double (this rank's weight doubled), remove (scheme "sync": the mean of the ranks'
       means, no b_i/B weighting), equal (counts [2, 2] instead of [1, 3]), tp (ModelParallelStrategy with
       tensor_parallel_size 2: refused in one line).
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the vari
 import tokenlm  # noqa: E402
 
 N, B, M, LR = 32, 16, 4, 0.5  # 2 steps per epoch of the global batch 16; one is trained
+BUDGET = 360  # the 1,095 tokens in 4 steps
 LENGTHS, TOKENS, LABELS = tokenlm.corpus(N, longest=64)
 COUNTED = np.array([int((y != tokenlm.IGNORE).sum()) for y in LABELS])
 
@@ -88,7 +90,8 @@ class Module(L.LightningModule):
 
 
 class Tokens(Module):
-    """Split by tokens: this rank's documents padded, a token-mean loss (the engine weighs n_i / N)."""
+    """Split by tokens: this rank's documents padded, a token-mean loss (the engine weighs n_i / N); under a token
+    budget a sample-mean loss (b_i over the step's own count)."""
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -97,7 +100,7 @@ class Tokens(Module):
     def training_step(self, batch, batch_idx):
         idx, docs = batch
         self.batches.append(idx)
-        return tokenlm.loss(self.net, docs, "tokens", len(idx))
+        return tokenlm.loss(self.net, docs, "samples" if self.mode == "budget" else "tokens", len(idx))
 
 
 class Micro(Module):
@@ -123,10 +126,12 @@ class Micro(Module):
 def fit(out: str, strategy: str, mode: str, broken: str) -> None:
     """One case: one optimizer step of a fit, recorded under OUT.STRATEGY-MODE-BREAK."""
     out = f"{out}.{strategy}-{mode}-{broken or 'ok'}"
-    micro, tokens = mode == "micro", mode == "tokens"
+    micro, tokens = mode == "micro", mode in ("tokens", "budget")
     sizes = [8, 8] if broken == "equal" else [M, B - M] if micro else [3, B - 3]
-    bal = hetero.Balance(scheme="sync" if broken == "remove" else "edp", global_batch=B, micro_batch=M if micro else 0,
-                         **({"collator": "padded", "loss_mean": "tokens"} if tokens else {}))
+    by = {"collator": "padded", "loss_mean": "tokens"} if mode == "tokens" else \
+        {"collator": "padded", "token_budget": BUDGET, "global_batch": None} if mode == "budget" else {}
+    bal = hetero.Balance(**{"scheme": "sync" if broken == "remove" else "edp", "global_batch": B,
+                            "micro_batch": M if micro else 0, **by})
     if not tokens:
         bal.replay({0: np.array([sizes] * (N // B))})
     if strategy == "fsdp":
@@ -142,11 +147,12 @@ def fit(out: str, strategy: str, mode: str, broken: str) -> None:
                         callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     if tokens:
-        loader = DataLoader(range(N), batch_sampler=bal.batch_sampler(N, lengths=LENGTHS, loss_tokens=COUNTED),
+        counted = COUNTED if mode == "tokens" else None
+        loader = DataLoader(range(N), batch_sampler=bal.batch_sampler(N, lengths=LENGTHS, loss_tokens=counted),
                             collate_fn=lambda idx: (idx, tokenlm.collate(idx, TOKENS, LABELS, "padded")))
     else:
         loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
-    kind = {"micro": Micro, "tokens": Tokens}.get(mode, Module)
+    kind = {"micro": Micro, "tokens": Tokens, "budget": Tokens}.get(mode, Module)
     trainer.fit(kind(bal, out, strategy, mode, broken), loader)
 
 

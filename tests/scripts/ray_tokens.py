@@ -1,6 +1,7 @@
 """Ray Train split by tokens (issue 49): two CPU workers of a local Ray cluster (TorchTrainer, gloo) run an epoch of
-documents of 1-512 tokens with Balance(collator=..., loss_mean="tokens"), padded then packed, worker 1 delayed 20 ms
-a step so the fitted costs move the split. Each worker writes its rows and the parameters after each step
+documents of 1-512 tokens with Balance(collator=..., loss_mean="tokens"), padded then packed, then packed under a
+token budget with a sample-mean loss (3 steps of 28, 21 and 23 documents), worker 1 delayed 20 ms a step so the
+fitted costs move the split. Each worker writes its rows and the parameters after each step
 (OUT/rank{r}.json); tests/integrations/test_ray.py compares them with one process on the unpacked union.
 
     PYTHONPATH=tests/raystub:.:tests python tests/scripts/ray_tokens.py OUT_DIR
@@ -15,8 +16,8 @@ import ray
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-N, B, LR = 72, 24, 0.5  # 3 steps an epoch
-COLLATORS = ("padded", "packed")
+N, B, LR, BUDGET = 72, 24, 0.5, 6400  # 3 steps an epoch
+CASES = {"padded": ("padded", None), "packed": ("packed", None), "budget": ("packed", BUDGET)}  # collator, budget
 
 
 def train_fn(cfg: dict) -> None:
@@ -34,23 +35,25 @@ def train_fn(cfg: dict) -> None:
     lengths, tokens, labels = tokenlm.corpus(N)
     counted = [int((y != tokenlm.IGNORE).sum()) for y in labels]
     out = {}
-    for collator in COLLATORS:
-        bal = hetero.Balance(global_batch=B, collator=collator, loss_mean="tokens", rebalance_every=1)
+    for name, (collator, budget) in CASES.items():
+        mean = "samples" if budget else "tokens"
+        bal = hetero.Balance(global_batch=None if budget else B, token_budget=budget, collator=collator,
+                             loss_mean=mean, rebalance_every=1)
         bal.emulate("1:delay=0.02")
         ddp = DDP(tokenlm.PrefixLM())
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-        sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted)
+        sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=None if budget else counted)
         bal.set_epoch(0)
         rows, params = [], []
         for idx in sampler:
             rows.append(idx)
             with bal.step(len(idx)):
-                tokenlm.loss(ddp, tokenlm.collate(idx, tokens, labels, collator), "tokens", len(idx)).backward()
+                tokenlm.loss(ddp, tokenlm.collate(idx, tokens, labels, collator), mean, len(idx)).backward()
                 opt.step()
                 opt.zero_grad()
             params.append(torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())
-        out[collator] = {"rows": rows, "params": params}
+        out[name] = {"rows": rows, "params": params}
     with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 

@@ -162,17 +162,13 @@ def test_a_trainer_step_is_the_global_batch_step_and_a_wrong_weight_is_caught(tr
                                                      "items have no 'input_ids' to measure): leave it 'random'"),
     ({"world": 1}, "hetero: HeteroTrainer needs several processes (torchrun --nproc-per-node=N); one process has "
                    "nothing to balance: use transformers.Trainer"),
-    ({"balance": {"token_budget": 4096, "collator": "padded"}},
-     "hetero: HeteroTrainer takes a Balance of global_batch samples a step (per_device_train_batch_size x "
-     "gradient_accumulation_steps x world = 8): the Trainer counts its steps and accumulation by samples; "
-     "token_budget is for a loop of your own (docs/tokens.md)"),
 ])
 def test_a_trainer_setting_hetero_cannot_honour_is_one_line(monkeypatch, tmp_path, setting, line):
     """Refused in train() before anything runs, alike on every rank (here one process plays rank 0 of two)."""
     setting = dict(setting)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", str(setting.pop("world", 2)))
-    bal = hetero.Balance(**setting.pop("balance", {"global_batch": B}))
+    bal = hetero.Balance(global_batch=B)
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")  # the Trainer itself stays one process
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],

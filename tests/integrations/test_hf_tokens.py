@@ -4,7 +4,9 @@ rank's rows chosen by their fitted cost, equal three steps of the plain single-p
 of each step's window (padded rows): with rows padded, and packed by DataCollatorWithFlattening, in one batch per
 rank and in micro-batches of one row (per_device_train_batch_size=1, gradient_accumulation_steps=8) (transformers keeps
 the packed samples apart by their position_ids, on CPU too). A model that drops the position_ids (no document
-mask) misses it: the negative control. Packed batches without position_ids are refused in one line. A Balance built
+mask) misses it: the negative control. Under a token budget (steps of 17, 15 and 16 documents) the same Trainer, in
+one batch per rank and accumulating rows one at a time, equals the plain Trainer run step by step on each step's
+documents. Packed batches without position_ids are refused in one line. A Balance built
 without a collator splits by tokens all the same (the Trainer's default where the lengths vary), with the
 Trainer's collator's layout; where they do not vary, or a replay fixes the sizes, it splits by counts."""
 from __future__ import annotations
@@ -33,8 +35,10 @@ CASES = {"padded": "padded", "packed": "packed", "packed-without-document-mask":
          "accumulated-padded": "padded", "accumulated-packed": "packed",  # per_device_train_batch_size 1, G = 8
          "default-padded": None, "default-packed": None,  # a Balance without a collator: the Trainer's default
          "capped-accumulated-padded": "padded",  # rank 1 holds rows of at most CAP tokens (max_tokens)
-         "capped-padded": "padded"}  # no accumulation: rank 1's whole step (rows x the longest) within STEP_CAP
+         "capped-padded": "padded",  # no accumulation: rank 1's whole step (rows x the longest) within STEP_CAP
+         "budget-padded": "padded", "budget-accumulated-packed": "packed"}  # Balance(token_budget=BUDGET)
 CAP, STEP_CAP = 16, 64
+BUDGET = 260  # the 757 tokens in 3 steps of about 252
 
 
 def _longest(model) -> list[int]:
@@ -91,10 +95,11 @@ def _collator(case: str):
 
 
 def _args(out: str, batch: int, **kw) -> tf.TrainingArguments:
-    return tf.TrainingArguments(output_dir=out, per_device_train_batch_size=batch, max_steps=STEPS, optim="sgd",
-                                learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, use_cpu=True,
-                                save_strategy="no", logging_strategy="no", report_to=[], disable_tqdm=True,
-                                remove_unused_columns=False, ddp_find_unused_parameters=False, **kw)
+    return tf.TrainingArguments(**{"output_dir": out, "per_device_train_batch_size": batch, "max_steps": STEPS,
+                                   "optim": "sgd", "learning_rate": LR, "lr_scheduler_type": "constant",
+                                   "max_grad_norm": 0.0, "use_cpu": True, "save_strategy": "no",
+                                   "logging_strategy": "no", "report_to": [], "disable_tqdm": True,
+                                   "remove_unused_columns": False, "ddp_find_unused_parameters": False, **kw})
 
 
 def _worker(rank: int, out: str) -> None:
@@ -103,7 +108,9 @@ def _worker(rank: int, out: str) -> None:
     result = {}
     for case, collator in CASES.items():
         micro = "accumulated" in case  # the common LLM setting: rows one at a time, accumulated
-        bal = hetero.Balance(global_batch=B, seed=SEED, collator=collator, rebalance_every=1, micro_batch=int(micro),
+        budget = BUDGET if case.startswith("budget") else None
+        bal = hetero.Balance(global_batch=None if budget else B, token_budget=budget, seed=SEED, collator=collator,
+                             rebalance_every=1, micro_batch=int(micro),
                              max_tokens=[None, CAP if micro else STEP_CAP] if case.startswith("capped") else None)
         bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
         model = _model(Unmasked if case == "packed-without-document-mask" else
@@ -142,6 +149,29 @@ def union(tmp_path_factory) -> list[torch.Tensor]:
                          train_dataset=Docs(order), data_collator=padded)
     trainer.train()
     return [p.detach().flatten() for p in trainer.model.parameters()]
+
+
+@pytest.mark.parametrize("case", ["budget-padded", "budget-accumulated-packed"])
+def test_a_token_budget_in_the_trainer_steps_as_one_process_on_each_steps_documents(trained, tmp_path, case):
+    """Steps of 17, 15 and 16 documents (the permutation's runs of about a third of its tokens): the plain Trainer
+    run one step at a time on each step's documents, in one batch, is the reference."""
+    from hetero.core.tokens import budget_cuts
+
+    lengths = np.array([len(x["input_ids"]) for x in Docs().items])
+    perm = EpochPlan(N, B, SEED, 0).perm.numpy()
+    cuts = budget_cuts(lengths[perm], BUDGET)
+    assert np.diff(cuts).tolist() == [17, 15, 16]
+    model = _model()
+    for k in range(STEPS):
+        window = perm[cuts[k]:cuts[k + 1]].tolist()
+        tf.Trainer(model=model, args=_args(str(tmp_path / f"step{k}"), len(window), max_steps=1,
+                                           train_sampling_strategy="sequential"),
+                   train_dataset=Docs(window), data_collator=padded).train()
+    want = [p.detach().flatten() for p in model.parameters()]
+    for rank in trained:
+        assert rank[case]["kind"] == "trainer" and sum(rank[case]["sizes"]) == 16  # the last step's documents
+        assert max_diff(rank[case]["params"], want) < 1e-5, case
+    assert max_diff(trained[0][case]["params"], [p.detach().flatten() for p in _model().parameters()]) > 1e-3
 
 
 @pytest.mark.parametrize("case", ["padded", "packed", "accumulated-padded", "accumulated-packed", "default-padded",

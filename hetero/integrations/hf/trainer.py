@@ -120,12 +120,8 @@ class HeteroTrainer(Trainer):
         if bal.settings.micro_batch and bal.settings.micro_batch != m:
             raise ValueError(f"hetero: the Balance's micro_batch {bal.settings.micro_batch} must equal "
                              f"per_device_train_batch_size {m}: the Trainer's micro-batch")
-        if bal.settings.budgeted:
-            raise ValueError(f"hetero: HeteroTrainer takes a Balance of global_batch samples a step (per_device_train_"
-                             f"batch_size x gradient_accumulation_steps x world = {m * g * bal.world}): the Trainer "
-                             f"counts its steps and accumulation by samples; token_budget is for a loop of your own "
-                             f"(docs/tokens.md)")
-        if m * g * bal.world != bal.settings.global_batch:
+        # under a token_budget each step holds as many samples as its tokens make: no count to match
+        if not bal.settings.budgeted and m * g * bal.world != bal.settings.global_batch:
             raise ValueError(f"hetero: per_device_train_batch_size x gradient_accumulation_steps x world ({m} x {g} "
                              f"x {bal.world}) must equal the Balance's global_batch {bal.settings.global_batch}: the "
                              f"plain Trainer's batch, which it logs and schedules with; hetero decides each "
@@ -238,7 +234,8 @@ class HeteroTrainer(Trainer):
                 return 1.0 / bal.world  # (a): the Trainer normalised over every rank; DDP's mean is exact
             return self._share  # (b): this rank's share of the step's counted tokens
         # a mean over its own count: this rank's share of it, undoing the Trainer's world factor where applied
-        share = self._share if self._share is not None else bal.last_sizes[bal.rank] / bal.settings.global_batch
+        sizes = bal.last_sizes  # they sum to the step's samples (global_batch, or a token budget's)
+        share = self._share if self._share is not None else sizes[bal.rank] / sum(sizes)
         if not bal.settings.weighted:
             share = 1.0 / bal.world
         return share / (bal.world if self._scaled(num_items_in_batch) else 1)

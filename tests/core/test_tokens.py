@@ -437,6 +437,26 @@ def test_a_token_budget_cuts_every_epoch_into_the_same_steps_of_varying_counts_e
         other.load_state_dict(state)
 
 
+@pytest.mark.parametrize("micro_batch", [0, 2])
+def test_a_token_budget_keeps_a_capped_ranks_forwards_within_its_max_tokens(micro_batch):
+    """Steps of a token budget under max_tokens [None, 300], padded: every forward of rank 1 (its whole step, or each
+    micro-batch of 2 rows) within 300 tokens, every sample of the epoch in one step."""
+    import hetero
+
+    lengths = np.random.default_rng(3).integers(1, 200, 100)
+    rows, forwards = [], []
+    for rank in range(2):
+        bal = hetero.Balance(token_budget=3000, collator="padded", max_tokens=[None, 300], micro_batch=micro_batch)
+        bal.set_world(rank, 2)
+        sampler = bal.batch_sampler(100, lengths=lengths)
+        bal.set_epoch(0)
+        forwards.append(list(sampler))
+        rows += [sampler.rows_at(0, step) for step in range(bal.position.steps_per_epoch)]
+    assert sorted(i for r in rows for i in r) == list(range(100))
+    assert max(Cost("padded").work(lengths[b]) for b in forwards[1]) <= 300
+    assert max(Cost("padded").work(lengths[b]) for b in forwards[0]) > 300  # the cap bound: rank 0 took more
+
+
 def test_a_bad_token_budget_is_one_line_before_any_step():
     import hetero
 

@@ -222,7 +222,7 @@ class DeepSpeedDoor:
             refuse(f"hetero: engine.step() ran before engine.backward(loss) in step {s.index} of epoch {s.epoch} on "
                    f"rank {s.rank}: call it after the backward")
         if self.pads:
-            self._pad(int(max(s.sizes)) // self._m - s.expected)
+            self._pad(self._most(s) - s.expected)
         e.gradients_ready()  # marks ready (an emulated slow rank sleeps first)
         local, self._local = self._local, None
         local.__exit__(None, None, None)  # ZeRO 1-3: the coalesced reduction
@@ -239,6 +239,14 @@ class DeepSpeedDoor:
             s = self.engine.running()
             refuse(f"hetero: step {s.index} of epoch {s.epoch} ended on rank {s.rank} without engine.step(): call "
                    f"engine.step() after engine.backward(loss) in each `with bal.step()`")
+
+    def _most(self, s) -> int:
+        """The most micro-batches any rank runs in step s: b_i / m by counts; by tokens each rank's rows are cut by
+        count and max_tokens (schedule.micro_at), so its count is not its rows over m."""
+        plan = self.engine.plan
+        if plan.settings.by_tokens:
+            return max(map(len, plan.schedule.micro_at(s.epoch, s.index)))
+        return int(max(s.sizes)) // self._m
 
     def _pad(self, extra: int) -> None:
         """ZeRO-3: `extra` zero-weight micro-batches of one sample, so every rank runs the step's most."""
@@ -260,9 +268,6 @@ class DeepSpeedDoor:
 
 def attach(engine: Engine, ds) -> DeepSpeedDoor:
     """Install hetero on a DeepSpeed engine; raises ValueError with one line for what it refuses (on every rank)."""
-    if engine.plan.settings.budgeted:
-        raise ValueError("hetero: DeepSpeed's config counts a step in samples (train_batch_size), and a token_budget "
-                         "cuts steps of varying counts: build the Balance with global_batch=train_batch_size")
     if (why := refusal(ds, engine.plan.world)) is not None:
         raise ValueError(why)
     return DeepSpeedDoor(engine, ds)

@@ -7,9 +7,12 @@ on the union of their samples.
 CASE is STAGE:MODE:OPT[:BREAK], every case an engine of its own in the same processes (one launch, many checks):
 STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), batch (no micro_batch, sizes [3, 13]),
 clock (even sizes, rank 1 emulated 1 s slower a step) or resume (micro, and after two steps a DeepSpeed checkpoint
-with hetero's state in its client_state, loaded into a new engine and Balance that run the third). OPT: sgd or adamw.
+with hetero's state in its client_state, loaded into a new engine and Balance that run the third), or split by
+tokens (tests/tokenlm.py's documents; each rank records its rows, and the test computes the reference in one process):
+tokens (padded, token mean), tokmicro (packed, micro-batches of 2, sample mean) or budget (a token budget, padded,
+micro-batches of 2, sample mean). OPT: sgd or adamw.
 BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means),
-equal (even counts [2, 2] in place of [1, 3]);
+equal (even counts [2, 2] in place of [1, 3]), samples (by tokens: sample weights, the loop's loss a token mean);
 other settings: bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused), sum (gradient_allreduce_op "sum":
 hetero's factor is 1), pair (the model returns the loss and the logits it came from, as a Hugging Face model does: the
 weight must reach the logits' gradient once). Refusals at attach are recorded as {"refused": line} and the launch goes
@@ -23,16 +26,21 @@ first and third steps (gathered under ZeRO-3), and every step's clock; the refer
 import json
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import deepspeed.ops  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 import hetero  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the variable-length model of tokenlm.py
+import tokenlm  # noqa: E402
 
 N, B, M, STEPS = 64, 16, 4, 3  # 4 steps per epoch of the global batch 16; three are trained
 # ZeRO-3 partitions every parameter (none kept whole for being small): each forward and backward gathers them
@@ -131,9 +139,60 @@ def train(bal: hetero.Balance, engine, steps: list, after: dict, upto: int, brok
             after[bal.position.step] = params(engine)
 
 
+# variable-length documents split by tokens (issue 49): tests/tokenlm.py's corpus and model, 3 steps of 24 documents
+# (or of a 6,400-token budget: 28, 21 and 23), the loop of tests/core/test_tokens.py with engine.backward/step
+TN, TB, BUDGET, TLR = 72, 24, 6400, 0.5
+TOKEN_MODES = {"tokens": ("padded", "tokens", 0), "tokmicro": ("packed", "samples", 2),  # collator, mean, micro
+               "budget": ("padded", "samples", 2)}  # and Balance(token_budget=BUDGET) in place of global_batch
+
+
+def run_tokens(stage: int, mode: str, broken: str) -> dict:
+    """A split by tokens on a DeepSpeed engine: every step's rows on this rank and the parameters after each step.
+    BREAK samples: the Balance weighs a sample mean where the loop's loss is a token mean (must miss)."""
+    collator, mean, m = TOKEN_MODES[mode]
+    lengths, tokens, labels = tokenlm.corpus(TN)
+    counted = np.array([int((y != tokenlm.IGNORE).sum()) for y in labels])
+    budget, weighs = mode == "budget", "samples" if broken == "samples" else mean
+    bal = hetero.Balance(global_batch=None if budget else TB, token_budget=BUDGET if budget else None,
+                         collator=collator, loss_mean=weighs,
+                         micro_batch=m)  # the prior's split (equal cost), the same every run
+    model = tokenlm.PrefixLM().float()  # DeepSpeed reduces no float64 gradient
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage, **PARTITIONED}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=TLR),
+                                      config=config)
+    bal.attach(engine)
+    sampler = bal.batch_sampler(TN, lengths=lengths, loss_tokens=counted if weighs == "tokens" else None)
+    bal.set_epoch(0)
+    rows, after, forwards = [], [], []
+    for idx in sampler:
+        step = bal.position.step
+        if len(rows) == step:
+            rows.append([])
+        rows[step] += idx
+        scale = 1.0
+        if m:  # this micro-batch's mean, as its sum over this rank's count for the step (docs/tokens.md)
+            mine = sampler.rows_at(0, step)
+            scale = counted[idx].sum() / counted[mine].sum() if mean == "tokens" else len(idx) / len(mine)
+        with bal.step(len(idx)):
+            forwards.append(bal.micro_batches)
+            engine.backward(scale * tokenlm.loss(engine, tokenlm.collate(idx, tokens, labels, collator), mean,
+                                                 len(idx)))
+            engine.step()
+        if bal.position.step > step:
+            after.append(params(engine))
+    return {"rows": rows, "params": after, "micro_batches": forwards}
+
+
 def run(out: str, case: str) -> None:
     stage, mode, opt, broken = (case.split(":") + [""])[:4]
     stage, name = int(stage), case.replace(":", "-")
+    if mode in TOKEN_MODES:
+        record = run_tokens(stage, mode, broken)
+        with open(f"{out}.{name}.rank{dist.get_rank()}.json", "w") as f:
+            json.dump(record, f)
+        return
     bal = balance(mode, broken)
     engine = engine_for(stage, opt, bal.world, broken)
     try:

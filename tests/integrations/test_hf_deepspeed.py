@@ -9,11 +9,13 @@ parameters stay identical. The reference runs in a process of its own (accelerat
 The same launch runs Accelerate's DeepSpeed plugin in a plain loop (hetero.integrations.accelerate.prepare, each
 micro-batch in `with bal.step():`, the optimizer stepped where bal.sync_now), micro-batches of 2 with counts [1, 3]
 on ZeRO-2 and ZeRO-3: one step equals the single-process run with the same plugin on the union, and a doubled
-weight is caught."""
+weight is caught. And the Trainer split by tokens (test_hf_tokens.py's documents, a global batch or a token budget,
+micro-batches accumulated): three steps equal the plain Trainer in one process on each step's documents."""
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 os.environ["HF_HUB_OFFLINE"] = "1"  # noqa: E402  (before transformers reads it)
 os.environ["DS_ACCELERATOR"] = "cpu"  # noqa: E402  (before deepspeed picks its accelerator; spawned ranks too)
+import test_hf_tokens as docs  # noqa: E402
 import transformers as tf  # noqa: E402
 from test_hf import MeanLoss, Points, TokenRows, llama  # noqa: E402
 from test_hf_accumulation import Doubled, Removed, Union  # noqa: E402
@@ -55,6 +58,12 @@ CASES = {
 # ZeRO-3 partitions every parameter (none kept whole for being small): each forward and backward gathers them
 PARTITIONED = {"stage3_param_persistence_threshold": 0, "stage3_model_persistence_threshold": 0}
 WRONGS = {"2:a": ["2:a_doubled"], "2:rows": ["2:rows_removed"], "3:b": ["3:b_doubled"]}
+# split by tokens (issue 49), test_hf_tokens.py's documents of 2-32 tokens, three steps, rank 1 emulated slower:
+# name: (ZeRO stage, collator, token budget or None for its global batch 16, per_device_train_batch_size, G). ZeRO-3
+# in micro-batches of 2 rows: the ranks' counts of them differ in a step, and every rank must run the most
+TOKENS = {"3:tokens-accumulated2-padded": (3, "padded", None, 2, 4),
+          "2:budget-accumulated-packed": (2, "packed", docs.BUDGET, 1, 8),
+          "3:budget-accumulated2-padded": (3, "padded", docs.BUDGET, 2, 4)}
 
 
 def config(stage: int) -> dict:
@@ -143,8 +152,30 @@ def _worker(rank: int, out: str) -> None:
                         "params": _params(trainer)}
     for name, (stage, factor) in LOOPS.items():
         result[name] = _loop(stage, factor)
+    for name, (stage, collator, budget, m, g) in TOKENS.items():
+        bal = hetero.Balance(global_batch=None if budget else docs.B, token_budget=budget, seed=docs.SEED,
+                             collator=collator, rebalance_every=1, micro_batch=m)
+        bal.emulate("1:delay=0.02")  # the fitted costs move the split
+        sizes = Sizes(bal)
+        trainer = HeteroTrainer(model=docs._model(), balance=bal, train_dataset=docs.Docs(), callbacks=[sizes],
+                                data_collator=docs._collator(collator),
+                                args=docs._args(f"{out}/{name}", m, gradient_accumulation_steps=g,
+                                                deepspeed=config(stage)))
+        trainer.train()
+        result[name] = {"engine": type(trainer.model_wrapped).__name__, "sizes": sizes.seen,
+                        "params": _params(trainer)}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
+
+
+class Sizes(tf.TrainerCallback):
+    """Every step's sizes, in documents per rank."""
+
+    def __init__(self, bal):
+        self.bal, self.seen = bal, []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seen.append([int(b) for b in self.bal.last_sizes])
 
 
 def _reference(rank: int, out: str) -> None:
@@ -168,6 +199,9 @@ def _reference(rank: int, out: str) -> None:
             accelerator.backward(model(data.x, data.y)["loss"])
             opt.step()
             result[name] = _params_of(model.module)
+    # split by tokens: the plain Trainer without DeepSpeed, one process, each step's documents in one padded batch
+    result["union"] = [p.tolist() for p in docs.union_steps(f"{out}/union")]
+    result["budget"] = [p.tolist() for p in docs.budget_steps(Path(out) / "budget")]
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
 
@@ -246,3 +280,20 @@ def test_the_trainer_example_on_zero_3_resumes_from_its_checkpoint_with_its_coun
     epoch0 = [i for run in (first, second) for rank in run for i in rank["seen"].get("0", [])]
     assert sorted(epoch0) == list(range(320))
     assert sorted(second[0]["seen"]["1"] + second[1]["seen"]["1"]) == list(range(320))
+
+
+@pytest.mark.parametrize("case", TOKENS)
+def test_the_trainer_split_by_tokens_on_zero_2_and_3_steps_as_one_process_on_each_steps_documents(trained, case):
+    """Three steps of HeteroTrainer with a DeepSpeed config and a collator (a token budget too), the common setting
+    of micro-batches accumulated: the parameters equal the plain Trainer in one process on each step's documents
+    (test_hf_tokens.py's references, no DeepSpeed), and the two ranks' stay identical. With micro-batches of 2 rows on
+    ZeRO-3 some step gives the ranks different counts of them (ceil(b_i / 2)): the padding ran."""
+    ranks, ref = trained
+    r0, r1 = (rank[case] for rank in ranks)
+    assert r0["engine"] == "DeepSpeedEngine" and r0["params"] == r1["params"], "the replicas drifted apart"
+    budget, m = TOKENS[case][2], TOKENS[case][3]
+    want = ref["budget" if budget else "union"]
+    assert [sum(s) for s in r0["sizes"]] == ([17, 15, 16] if budget else [docs.B] * docs.STEPS)
+    assert max_diff(r0["params"], [torch.tensor(p) for p in want]) < 1e-5, f"{case}: not each step's documents"
+    if m > 1:
+        assert any(-(-a // m) != -(-b // m) for a, b in r0["sizes"]), r0["sizes"]

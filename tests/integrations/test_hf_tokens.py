@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,21 +141,18 @@ def trained(tmp_path_factory) -> list[dict]:
     return spawned(_worker, tmp_path_factory.mktemp("hf_tokens"))
 
 
-@pytest.fixture(scope="module")
-def union(tmp_path_factory) -> list[torch.Tensor]:
+def union_steps(out: str) -> list[torch.Tensor]:
     """The plain Trainer in one process: each step the whole window of the shared permutation, padded."""
     order = EpochPlan(N, B, SEED, 0).perm[:STEPS * B].tolist()
-    trainer = tf.Trainer(model=_model(), args=_args(str(tmp_path_factory.mktemp("plain")), B,
-                                                    train_sampling_strategy="sequential"),
+    trainer = tf.Trainer(model=_model(), args=_args(out, B, train_sampling_strategy="sequential"),
                          train_dataset=Docs(order), data_collator=padded)
     trainer.train()
     return [p.detach().flatten() for p in trainer.model.parameters()]
 
 
-@pytest.mark.parametrize("case", ["budget-padded", "budget-accumulated-packed"])
-def test_a_token_budget_in_the_trainer_steps_as_one_process_on_each_steps_documents(trained, tmp_path, case):
-    """Steps of 17, 15 and 16 documents (the permutation's runs of about a third of its tokens): the plain Trainer
-    run one step at a time on each step's documents, in one batch, is the reference."""
+def budget_steps(out: Path) -> list[torch.Tensor]:
+    """Under BUDGET, steps of 17, 15 and 16 documents (the permutation's runs of about a third of its tokens): the
+    plain Trainer run one step at a time on each step's documents, in one batch."""
     from hetero.core.tokens import budget_cuts
 
     lengths = np.array([len(x["input_ids"]) for x in Docs().items])
@@ -164,10 +162,22 @@ def test_a_token_budget_in_the_trainer_steps_as_one_process_on_each_steps_docume
     model = _model()
     for k in range(STEPS):
         window = perm[cuts[k]:cuts[k + 1]].tolist()
-        tf.Trainer(model=model, args=_args(str(tmp_path / f"step{k}"), len(window), max_steps=1,
+        tf.Trainer(model=model, args=_args(str(out / f"step{k}"), len(window), max_steps=1,
                                            train_sampling_strategy="sequential"),
                    train_dataset=Docs(window), data_collator=padded).train()
-    want = [p.detach().flatten() for p in model.parameters()]
+    return [p.detach().flatten() for p in model.parameters()]
+
+
+@pytest.fixture(scope="module")
+def union(tmp_path_factory) -> list[torch.Tensor]:
+    return union_steps(str(tmp_path_factory.mktemp("plain")))
+
+
+@pytest.mark.parametrize("case", ["budget-padded", "budget-accumulated-packed"])
+def test_a_token_budget_in_the_trainer_steps_as_one_process_on_each_steps_documents(trained, tmp_path, case):
+    """Steps of 17, 15 and 16 documents: the plain Trainer run one step at a time on each step's documents, in one
+    batch, is the reference (budget_steps)."""
+    want = budget_steps(tmp_path)
     for rank in trained:
         assert rank[case]["kind"] == "trainer" and sum(rank[case]["sizes"]) == 16  # the last step's documents
         assert max_diff(rank[case]["params"], want) < 1e-5, case

@@ -130,7 +130,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
                 took.append(time.perf_counter() - t0)
                 work.append(cost.parts(_work(batch, cost)[0]))
         x = np.column_stack([np.ones(len(work)), np.array(work)])
-        coef = np.linalg.lstsq(x, np.array(took), rcond=None)[0]
+        coef = nonnegative_fit(x, np.array(took))
         return [*coef.tolist(), spread(np.array(took), x @ coef)]
 
     class Clock(TrainerCallback):
@@ -172,6 +172,21 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
                 for column in (COLUMNS if run % 2 else COLUMNS[::-1]):  # in turn, which goes first alternating
                     result["runs"][key][column].append(one_run(column, collator, slow))
     safeio.write_text(out / f"rank{rank}.json", json.dumps(result))
+
+
+def nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of y on the columns of x with every coefficient at least 0 (a cost has no negative part): the
+    best of the unconstrained fits on each subset of the columns whose coefficients are all >= 0 (x has a few).
+    Unconstrained, the per-token and per-squared-length terms of padded rows are nearly collinear, and a rank's fit
+    put a negative cost on one of them and a fixed cost of several batches' time on another (2026-12-06)."""
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y ** 2))
+    for mask in range(1, 2 ** x.shape[1]):
+        cols = [j for j in range(x.shape[1]) if mask >> j & 1]
+        coef = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+        if np.all(coef >= 0) and (err := float(np.sum((x[:, cols] @ coef - y) ** 2))) < best_err:
+            best, best_err = np.zeros(x.shape[1]), err
+            best[cols] = coef
+    return best
 
 
 def _steps(ranks: list[dict], key: str, column: str, i: int, cost: Cost, fits: np.ndarray):

@@ -512,3 +512,27 @@ def test_the_tokens_calibration_is_one_attention_weight_and_a_positive_per_unit_
         assert fits[r, 1] * (t + cost.attention * q) == pytest.approx(fitted[r, 1] * t + fitted[r, 2] * q)
     assert fits[1, 1] / fits[0, 1] > 1.5  # the slow rank is the slower per unit
     assert tokenbench.calibrated(np.array([[0.0, -1e-6, 1e-8]] * 2), "padded", parts)[0].attention == 0.0
+
+
+def test_the_tokens_calibration_fits_no_negative_cost():
+    """tokenbench.nonnegative_fit: least squares with every coefficient >= 0. On costs that are (fixed, per token,
+    per squared length) >= 0 it is plain least squares; where plain least squares goes below 0 on nearly collinear
+    terms (padded rows) it fits the best non-negative model, which is no worse than any other non-negative one."""
+    from hetero.lab import tokenbench
+
+    rng = np.random.default_rng(3)
+    rows, longest = rng.integers(1, 16, 64), rng.integers(8, 1024, 64)
+    x = np.column_stack([np.ones(64), rows * longest, rows * longest ** 2.0])
+    true = np.array([0.004, 2e-6, 3e-9])
+    y = x @ true * np.exp(rng.normal(0, 0.05, 64))
+    free = np.linalg.lstsq(x, y, rcond=None)[0]
+    assert np.all(free >= 0) and np.allclose(tokenbench.nonnegative_fit(x, y), free)  # nothing to constrain
+    y = x @ np.array([0.02, -1e-6, 4e-9])  # times a fit would put a negative cost per token on
+    free, got = np.linalg.lstsq(x, y, rcond=None)[0], tokenbench.nonnegative_fit(x, y)
+    assert np.any(free < 0) and np.all(got >= 0)
+
+    def err(c):
+        return float(np.sum((x @ c - y) ** 2))
+    assert np.all(y > 0) and free[1] == pytest.approx(-1e-6)
+    for other in (np.array([0.02, 0, 4e-9]), np.array([0.0, 0.0, got[2]]), np.maximum(free, 0), got * 1.01):
+        assert err(got) <= err(other) + 1e-15

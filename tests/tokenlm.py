@@ -84,6 +84,13 @@ def loss(model, batch, mean: str, n_docs: int) -> torch.Tensor:
     return (sums / counts.clamp(min=1)).sum() / n_docs
 
 
+def micro_scale(idx: list[int], mine: list[int], counted, mean: str) -> float:
+    """With per-rank accumulation, a micro-batch's loss (a mean over its own rows) as its sum over this rank's count
+    for the step (docs/tokens.md): idx the micro-batch's samples, mine the rank's for the step (sampler.rows_at),
+    counted each sample's counted tokens."""
+    return float(counted[idx].sum() / counted[mine].sum()) if mean == "tokens" else len(idx) / len(mine)
+
+
 def reference(steps: list[list[int]], tokens, labels, mean: str, lr: float, seed: int = 0) -> list[list[float]]:
     """Plain SGD in one process on each step's samples, every document in a batch of its own (unpacked): the
     parameters after each step, flattened."""

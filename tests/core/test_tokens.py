@@ -882,10 +882,8 @@ def _worker(rank: int, out: str, world: int) -> None:
                 rows.append([])
             rows[step] += idx
             batches.append(idx)
-            scale = 1.0
-            if m:  # this micro-batch's mean, as its sum over this rank's count for the step
-                mine = sampler.rows_at(0, step)
-                scale = counted[idx].sum() / counted[mine].sum() if loss_mean == "tokens" else len(idx) / len(mine)
+            # with micro-batches, this micro-batch's mean as its sum over this rank's count for the step
+            scale = tokenlm.micro_scale(idx, sampler.rows_at(0, step), counted, loss_mean) if m else 1.0
             batch = tokenlm.collate(idx, tokens, labels, collator)
             with bal.step(len(idx)):
                 if weight:  # (no micro-batches in these cases)

@@ -171,10 +171,7 @@ def run_tokens(stage: int, mode: str, broken: str) -> dict:
         if len(rows) == step:
             rows.append([])
         rows[step] += idx
-        scale = 1.0
-        if m:  # this micro-batch's mean, as its sum over this rank's count for the step (docs/tokens.md)
-            mine = sampler.rows_at(0, step)
-            scale = counted[idx].sum() / counted[mine].sum() if mean == "tokens" else len(idx) / len(mine)
+        scale = tokenlm.micro_scale(idx, sampler.rows_at(0, step), counted, mean) if m else 1.0
         with bal.step(len(idx)):
             forwards.append(bal.micro_batches)
             engine.backward(scale * tokenlm.loss(engine, tokenlm.collate(idx, tokens, labels, collator), mean,

@@ -3,7 +3,9 @@ fully_shard of the decoder layers, a tail group and the root) with hetero's weig
 one optimizer step with unequal sizes equals one step of the plain single-process Trainer on the union, padded rows
 included, in both loss conventions ((a) num_items_in_batch averaged across devices, (b) each rank's own count,
 weighted by its share of the tokens), with accumulation (G = 2, k = [1, 3] micro-batches of 2) and without (sizes
-[2, 6]); the weight doubled or removed is caught.
+[2, 6]); the weight doubled or removed is caught. Split by tokens (test_hf_tokens.py's documents: 16 a step in
+micro-batches of 2 rows, and a token budget packed one row at a time), three steps equal the plain Trainer in one
+process on each step's documents.
 
 accelerate 1.15 keeps no FSDP plugin on CPU ranks (accelerate/state.py, AcceleratorState.__init__: the FSDP branch
 sits under the accelerator device types; CPU ranks are MULTI_CPU) and the Trainer then trains DDP: HeteroTrainer
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ pytest.importorskip("transformers", reason="the [hf] extra is not installed")
 pytest.importorskip("accelerate", reason="the [hf] extra is not installed")
 os.environ["HF_HUB_OFFLINE"] = "1"  # noqa: E402  (before transformers reads it)
 import accelerate.state  # noqa: E402
+import test_hf_tokens as docs  # noqa: E402
 import transformers as tf  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 from test_hf import TokenRows, llama  # noqa: E402
@@ -46,6 +50,11 @@ CASES = {
     "b_doubled": (2, 2, [2, 6], False, Doubled),
     "b_removed": (2, 2, [2, 6], False, Removed),
 }
+# split by tokens (issue 49; test_hf_tokens.py's documents of 2-32 tokens, three steps, rank 1 emulated slower), the
+# Trainer's default where the lengths vary: name: (collator, token budget or None for the global batch 16,
+# per_device_train_batch_size, G)
+TOKENS = {"tokens-accumulated2-padded": ("padded", None, 2, 4),
+          "budget-accumulated-packed": ("packed", docs.BUDGET, 1, 8)}
 
 
 def _fsdp_on_cpu() -> None:
@@ -89,6 +98,18 @@ def _worker(rank: int, out: str) -> None:
         result[name] = {"fsdp": type(model).__name__, "sizes": trainer.balance.last_sizes,
                         "steps": trainer.state.global_step,
                         "params": [p.full_tensor().detach().flatten().tolist() for p in model.parameters()]}
+    for name, (collator, budget, m, g) in TOKENS.items():
+        bal = hetero.Balance(global_batch=None if budget else docs.B, token_budget=budget, seed=docs.SEED,
+                             collator=collator, rebalance_every=1, micro_batch=m)
+        bal.emulate("1:delay=0.02")  # the fitted costs move the split
+        trainer = HeteroTrainer(model=docs._model(), balance=bal, train_dataset=docs.Docs(),
+                                data_collator=docs._collator(collator),
+                                args=docs._args(f"{out}/{name}", m, gradient_accumulation_steps=g, fsdp=True,
+                                                fsdp_config=FSDP))
+        trainer.train()
+        model = trainer.model_wrapped
+        result[name] = {"fsdp": type(model).__name__, "steps": trainer.state.global_step,
+                        "params": [p.full_tensor().detach().flatten().tolist() for p in model.parameters()]}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
 
@@ -96,6 +117,18 @@ def _worker(rank: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> list[dict]:
     return spawned(_worker, tmp_path_factory.mktemp("hf_fsdp"))
+
+
+@pytest.mark.parametrize("case", TOKENS)
+def test_the_trainer_on_fsdp2_split_by_tokens_steps_as_one_process_on_each_steps_documents(trained, tmp_path, case):
+    """Three steps of HeteroTrainer on FSDP2 with a collator (a global batch of 16 documents in micro-batches of 2
+    rows, G = 4; a token budget's steps of 17, 15 and 16 documents packed one row at a time, G = 8): the parameters
+    equal the plain Trainer in one process on each step's documents (test_hf_tokens.py's references)."""
+    want = docs.budget_steps(Path(tmp_path)) if TOKENS[case][1] else docs.union_steps(str(tmp_path))
+    for rank in trained:
+        got = rank[case]
+        assert got["fsdp"].startswith("FSDP") and got["steps"] == docs.STEPS
+        assert max_diff(got["params"], want) < 1e-5, f"{case}: not each step's documents"
 
 
 def test_fsdp_on_cpu_ranks_is_one_line(trained):

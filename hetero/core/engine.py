@@ -180,11 +180,13 @@ class Engine:
                               "engine.step() reduces the step's gradients); begin_step by hand cannot")
         if index >= (spe or ENDLESS):
             _stop(f"hetero: epoch {epoch} has run all its {spe} steps: call bal.set_epoch(epoch) before each epoch")
-        if from_loader and spe and not sched.handed_out(epoch, index):
-            _stop(f"hetero: step {index} of epoch {epoch} was not handed out by hetero's sampler: give the "
-                  f"DataLoader batch_sampler=bal.batch_sampler(len(ds)) (a loop cutting its own batches begins each "
-                  f"step with bal.begin_step(), which returns the sizes)")
-        sizes = sched.sizes_at(epoch, index)
+        sizes = sched.planned.get(sched.index(epoch, index))  # fixed when handed out (sched.handed_out)
+        if sizes is None:
+            if from_loader and spe:
+                _stop(f"hetero: step {index} of epoch {epoch} was not handed out by hetero's sampler: give the "
+                      f"DataLoader batch_sampler=bal.batch_sampler(len(ds)) (a loop cutting its own batches begins "
+                      f"each step with bal.begin_step(), which returns the sizes)")
+            sizes = sched.sizes_at(epoch, index)
         b, m = int(sizes[rank]), s.micro_batch
         if m and s.by_tokens:  # by tokens a rank's rows are cut by count and max_tokens (schedule.micro_at)
             b = len(sched.micro_at(epoch, index)[rank]) * m
@@ -312,15 +314,16 @@ class Engine:
 
     def end(self) -> Decision | None:
         """End the step (after the optimizer step); every K steps and at the epoch's end, decide (collective)."""
-        s, link, m = self.running(), self.link, self.plan.settings.micro_batch
+        s, link = self._step or self.running(), self.link
         s.clock.mark("end")
         self._step = None
         if link.peer_failed:
             raise HeteroError(link.peer_failed)
-        if link.loss is not None:
+        if link.loss is not None and link.loss.stray:
             link.loss.check(s)
         if link.model is not None and (s.syncs != 1 or s.forwards != s.expected):
-            hint = ("run bal.micro_batches micro-batches per step, the last one synced" if m else
+            hint = ("run bal.micro_batches micro-batches per step, the last one synced"
+                    if self.plan.settings.micro_batch else
                     "gradient accumulation (no_sync) needs micro_batch: set Balance(micro_batch=m)")
             refuse(f"hetero: rank {s.rank} ran {s.forwards} forward(s) and {s.syncs} gradient all-reduce(s) in step "
                    f"{s.index} of epoch {s.epoch}; it needs {s.expected} and 1: {hint}")

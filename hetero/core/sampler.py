@@ -105,4 +105,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 continue
             idx = sched.rows_at(epoch, step)[p.rank].tolist() if sched.cost is not None else \
                 plan.index_list(step, sched.sizes_at(epoch, step).tolist(), p.rank)
-            yield from ([idx[i:i + m] for i in range(0, len(idx), m)] if m else [idx])
+            if not m:
+                yield idx
+                continue
+            yield from (idx[i:i + m] for i in range(0, len(idx), m))

@@ -332,6 +332,8 @@ class SizeSchedule:
         fixed in order, so that is pos's alone; a position before it fixed since (sizes_at on a past step) goes once
         it is the oldest left (O(1) a step, where a sweep of every position would be O(the steps fixed ahead))."""
         for d in (self.planned, self.rows, self.micro):
+            if not d:  # rows and micro hold nothing but by tokens
+                continue
             d.pop(pos, None)
             if d and next(iter(d)) < pos:
                 for p in [p for p in d if p < pos]:

@@ -24,7 +24,7 @@ class Step:
         self.delay_s = 0.0              # an emulated slow rank's delay, spent when its gradients were ready
         self._in_flight, self._all_sent, self._lock = 0, False, threading.Lock()
         self.clock = StepClock(device)
-        self.clock.mark("start")
+        self.clock.start()
 
     @property
     def sits_out(self) -> bool:

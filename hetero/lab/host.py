@@ -5,11 +5,11 @@ Per door (DDP through `with bal.step()`, FSDP2 through `with bal.step()`), the s
 processes, with hetero and without (plain DDP / plain FSDP2 over a DistributedSampler), taking turns step by step
 (which goes first alternates), so load from elsewhere falls on both alike. Each variant (hetero, hetero weighing the
 loss, torch's own Python comm hook) is its own such pair with a plain loop of its own: a loop's steps then have one
-other loop's step between them, as in a training loop that does other work between steps, not three.
-Each step is timed from fetching its
-batch to the optimizer's zero_grad, in wall time (perf_counter) and in the process's CPU time (process_time: every
-thread, gloo's and hetero's peer watcher included) and the main thread's own (thread_time: hetero's Python, without
-the other threads, which on a 2-core host contend with the ranks' main threads while they wait in the all-reduce).
+other loop's step between them, as in a training loop that does other work between steps, not three. Each step is
+timed from fetching its batch to the optimizer's zero_grad, in wall time (perf_counter) and in the process's CPU time
+(process_time: every thread, gloo's and hetero's peer watcher included) and the main thread's own (thread_time:
+hetero's Python, without the other threads, which on a 2-core host contend with the ranks' main threads while they
+wait in the all-reduce).
 The added time per step is hetero's median less plain's, and the same for the fastest decile (10th percentile),
 which load from elsewhere moves least.
 

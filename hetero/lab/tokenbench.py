@@ -12,11 +12,12 @@ two ranks' per-token costs is reported beside the table.
 
 What is reported, per row and column (the medians over RUNS runs):
 - time / ideal: the run's measured step time (its steps after WARMUP, end to end) over the ideal. Each rank's cost
-  (fixed + per token + per squared length, as tokens.Cost lays the rows out) is fitted once per collator and row on
-  its own before any run (fwd + bwd of batches of several sizes, slow hook included). A step's ideal is the best
-  split of its samples (tokens.split) under those costs, plus the step's overhead outside the ranks' compute (the
-  all-reduce, the optimizer, the Trainer's loop): the median over every run of the row of the measured step less its
-  slowest predicted compute;
+  (fixed + per token + per squared length, as tokens.Cost lays the rows out) is fitted per collator and row on what
+  its batches took inside the row's runs, every column's (fwd + bwd, slow hook included: in_situ), and, for runs
+  recorded before those times were kept, on batches of several sizes timed alone before any run. A step's ideal is
+  the best split of its samples (tokens.split) under those costs, plus the step's overhead outside the ranks'
+  compute (the all-reduce, the optimizer, the Trainer's loop): the median over every run of the row of the measured
+  step less its slowest predicted compute;
 - wait: the mean over steps and ranks of the measured step time less the rank's predicted compute for its rows;
 - misallocation: the slowest rank's predicted compute over the ideal's, per step (1: the split could not be better).
 
@@ -95,7 +96,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
         labels = [x["labels"] + [-100] * (top - len(x["labels"])) for x in items]
         return {"input_ids": torch.tensor(rows), "attention_mask": torch.tensor(mask), "labels": torch.tensor(labels)}
 
-    def model(slow: float, record: list | None, cost: Cost):
+    def model(slow: float, record: list | None, cost: Cost, took: list | None = None):
         torch.manual_seed(seed)
         m = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=2,
@@ -110,8 +111,13 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
         def post(mod, args, kwargs, output):
             if slow > 1 and mod.training and torch.is_grad_enabled():
                 time.sleep((slow - 1) * 2 * (time.perf_counter() - started[-1]))
+
+        def done(grad):  # the embedding's gradient, the backward's last: this rank's fwd + bwd, before DDP's last wait
+            if took is not None:
+                took.append(time.perf_counter() - started[-1])
         m.register_forward_pre_hook(pre, with_kwargs=True)
         m.register_forward_hook(post, with_kwargs=True)
+        m.model.embed_tokens.weight.register_hook(done)
         return m
 
     def fit(slow: float, cost: Cost, collate) -> list[float]:
@@ -143,6 +149,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
     def one_run(column: str, collator: str, slow: float) -> dict:
         cost = Cost(collator)
         record: list = []
+        took: list = []  # each training forward's fwd + bwd (s), in the run: the in-situ calibration's (summarise)
         collate = pad if collator == "padded" else DataCollatorWithFlattening()
         extra = {"train_sampling_strategy": "batch_rebalance"} if column == "batch_rebalance" else {}
         args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=PER_RANK,
@@ -150,7 +157,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
                                  report_to=[], disable_tqdm=True, seed=seed, ddp_find_unused_parameters=False,
                                  remove_unused_columns=False, **extra)
         clock = Clock()
-        common = dict(model=model(slow if rank == 1 else 1.0, record, cost), args=args, train_dataset=docs,
+        common = dict(model=model(slow if rank == 1 else 1.0, record, cost, took), args=args, train_dataset=docs,
                       data_collator=collate, callbacks=[clock])
         if column in ("samples", "tokens"):
             bal = Balance(global_batch=B, rebalance_every=REBALANCE_EVERY, seed=seed,
@@ -159,7 +166,7 @@ def worker(out: Path, runs: int, steps: int, seed: int = 0) -> None:
         else:
             trainer = Trainer(**common)
         trainer.train()
-        return {"ends": clock.ends, "lengths": record}
+        return {"ends": clock.ends, "lengths": record, "compute": took}
 
     result: dict = {"fits": {}, "runs": {}}
     for collator in COLLATORS:
@@ -203,6 +210,25 @@ def _steps(ranks: list[dict], key: str, column: str, i: int, cost: Cost, fits: n
     return step_s, np.array(pred), np.array(best)
 
 
+def in_situ(ranks: list[dict], key: str, cost: Cost) -> np.ndarray | None:
+    """Each rank's cost (fixed, per token, per squared length: Cost.parts) and jitter (log sd over the fit) fitted on
+    what its batches took inside the runs themselves, every column's (fwd + bwd of each step after WARMUP, up to its
+    backward's last gradient): [ranks, 4]; None for runs recorded without it. The ideal's costs are those of the
+    steps the row ran, on the cores as loaded as they were (the calibration before the runs, on batches alone, put
+    the ranks' per-token costs up to 30% apart from what the runs' own batches took, on equal ranks too)."""
+    rows = []
+    for r in ranks:
+        runs = [run for v in r["runs"][key].values() for run in v]
+        if not runs or any(len(run.get("compute", [])) != len(run["lengths"]) for run in runs):
+            return None
+        pairs = [(x, t) for run in runs for x, t in list(zip(run["lengths"], run["compute"]))[WARMUP:] if len(x)]
+        x = np.column_stack([np.ones(len(pairs)), np.array([cost.parts(x) for x, _ in pairs])])
+        y = np.array([t for _, t in pairs])
+        coef = nonnegative_fit(x, y)
+        rows.append([*coef.tolist(), spread(y, x @ coef)])
+    return np.array(rows)
+
+
 def _batches(ranks: list[dict], key: str, cost: Cost) -> np.ndarray:
     """The two work terms (Cost.parts) of every rank's batch of every recorded step of the row: [batches, 2]."""
     return np.array([cost.parts(x) for r in ranks for runs in r["runs"][key].values() for run in runs
@@ -226,13 +252,15 @@ def summarise(ranks: list[dict]) -> list[dict]:
     out = []
     for key in ranks[0]["runs"]:
         collator, row = key.split("/")
-        cost, fits = calibrated(np.array([r["fits"][key][:3] for r in ranks]), collator,
-                                _batches(ranks, key, Cost(collator)))
+        fitted = in_situ(ranks, key, Cost(collator))
+        if fitted is None:  # runs recorded before each forward's compute was kept: the calibration before them
+            fitted = np.array([r["fits"][key] for r in ranks])
+        cost, fits = calibrated(fitted[:, :3], collator, _batches(ranks, key, Cost(collator)))
         cells = {c: [_steps(ranks, key, c, i, cost, fits) for i in range(len(v))]
                  for c, v in ranks[0]["runs"][key].items()}
         overhead = float(np.median(np.concatenate([s - p.max(1) for runs in cells.values() for s, p, _ in runs])))
         # the replay's noise: each rank's own batches' jitter in its calibration (runs before it: the steps')
-        noise = float(np.median([r["fits"][key][3] for r in ranks])) if len(ranks[0]["fits"][key]) > 3 else \
+        noise = float(np.median(fitted[:, 3])) if fitted.shape[1] > 3 else \
             jitter([(s, p) for runs in cells.values() for s, p, _ in runs], overhead)
         for column, runs in cells.items():
             a = np.array([(s.sum() / (b + overhead).sum(), float(np.mean(s[:, None] - p)), float(np.mean(p.max(1) / b)))

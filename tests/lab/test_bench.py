@@ -538,3 +538,32 @@ def test_the_tokens_calibration_fits_no_negative_cost():
     assert np.all(y > 0) and free[1] == pytest.approx(-1e-6)
     for other in (np.array([0.02, 0, 4e-9]), np.array([0.0, 0.0, got[2]]), np.maximum(free, 0), got * 1.01):
         assert err(got) <= err(other) + 1e-15
+
+
+def test_the_tokens_ideal_is_fitted_on_what_the_runs_own_batches_took():
+    """tokenbench.in_situ: each rank's cost fitted on its batches' fwd + bwd inside the runs (every column's, after
+    the warm-up) recovers the costs those batches were timed with, and summarise reads the ideal from it, not from the
+    calibration before the runs (here made 3x off on rank 1). Runs recorded without their batches' times fall back
+    to that calibration."""
+    from hetero.core.tokens import Cost
+    from hetero.lab import tokenbench
+
+    rng, cost, key = np.random.default_rng(1), Cost("padded"), "padded/rank 1 3x slower"
+    true = np.array([[0.002, 1e-5, 3e-9], [0.004, 3e-5, 9e-9]])
+    n = tokenbench.WARMUP + 40
+
+    def rank_runs(r):
+        lens = [rng.integers(2, 400, int(rng.integers(1, 9))).tolist() for _ in range(n)]
+        took = [true[r, 0] + true[r, 1:] @ np.array(cost.parts(x)) for x in lens]
+        took[:tokenbench.WARMUP] = [1.0] * tokenbench.WARMUP  # the warm-up's slow first steps are left out
+        return {"ends": list(np.arange(1.0, n + 1)), "lengths": lens, "compute": took}
+    ranks = [{"fits": {key: [0.002, 1e-5, 3e-9, 0.0] if r == 0 else [0.004, 1e-5, 3e-9, 0.0]},
+              "runs": {key: {"tokens": [rank_runs(r)], "plain": [rank_runs(r)]}}} for r in range(2)]
+    got = tokenbench.in_situ(ranks, key, cost)
+    assert np.allclose(got[:, :3], true, rtol=1e-6, atol=1e-12) and np.all(got[:, 3] < 1e-6)
+    (row, _) = tokenbench.summarise(ranks)
+    assert row["cost_ratio"] == pytest.approx(3.0, rel=0.05)  # in situ; the calibration before said 1
+    for r in ranks:
+        del r["runs"][key]["plain"][0]["compute"]
+    assert tokenbench.in_situ(ranks, key, cost) is None
+    assert tokenbench.summarise(ranks)[0]["cost_ratio"] < 1.5

@@ -38,7 +38,8 @@ class Suite:
     workers: tuple[int, ...] = tuple(2 ** k for k in range(1, 13))  # balancer sizes, 2..4096
     hf_runs: int = 8                            # HF Trainer runs with hetero and without, in turn
     hf_steps: int = 40                          # optimizer steps per HF Trainer run
-    tokens_runs: int = 3                        # runs of each column of the tokens part (tokenbench.py), in turn
+    tokens_runs: int = 9                        # runs of each column of the tokens part (tokenbench.py), in turn
+    #                                             (9: 16 minutes; medians of 3 did not repeat, benchmarks.md#tokens)
     tokens_steps: int = 80                      # optimizer steps per run of it
     recovery_kills: int = 3                     # two-agent runs, each losing one agent mid-epoch (median of these)
     host_steps: int = 3000                      # steps of each loop in turn in the host part (Linear(8, 8))

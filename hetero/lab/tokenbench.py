@@ -206,8 +206,18 @@ def _steps(ranks: list[dict], key: str, column: str, i: int, cost: Cost, fits: n
         own = [r["lengths"][s] for r in runs]
         pred.append(fits[:, 0] + fits[:, 1] * np.array([cost.work(x) for x in own]))
         union = np.concatenate([np.asarray(x) for x in own])
-        best.append(times(union, split(union, fits[:, 0], fits[:, 1], cost), fits[:, 0], fits[:, 1], cost).max())
+        best.append(times(union, split(union, fits[:, 0], fits[:, 1], cost), fits[:, 0], fits[:, 1], cost))
     return step_s, np.array(pred), np.array(best)
+
+
+def jitter_cost(best: np.ndarray, sigma: np.ndarray, draws: int = 512) -> np.ndarray:
+    """Per step, what the ranks' own step-to-step jitter adds to the best split's slowest predicted compute: the
+    mean over `draws` of max_i best_i x lognormal(sigma_i, mean 1), less max_i best_i. No split removes it: the
+    closer a split comes to equal times, the more it costs (the slowest of two equal ranks is slower than either's
+    mean). best: [steps, ranks] predicted compute; sigma: each rank's log sd."""
+    z = np.random.default_rng(0).standard_normal((draws, sigma.size))
+    factor = np.exp(sigma * z - sigma ** 2 / 2)  # [draws, ranks]
+    return (best[:, None, :] * factor[None]).max(2).mean(1) - best.max(1)
 
 
 def in_situ(ranks: list[dict], key: str, cost: Cost) -> np.ndarray | None:
@@ -258,13 +268,15 @@ def summarise(ranks: list[dict]) -> list[dict]:
         cost, fits = calibrated(fitted[:, :3], collator, _batches(ranks, key, Cost(collator)))
         cells = {c: [_steps(ranks, key, c, i, cost, fits) for i in range(len(v))]
                  for c, v in ranks[0]["runs"][key].items()}
-        overhead = float(np.median(np.concatenate([s - p.max(1) for runs in cells.values() for s, p, _ in runs])))
+        cells = {c: [(s, p, b.max(1), b) for s, p, b in runs] for c, runs in cells.items()}
+        overhead = float(np.median(np.concatenate([s - p.max(1) for runs in cells.values() for s, p, _, _ in runs])))
         # the replay's noise: each rank's own batches' jitter in its calibration (runs before it: the steps')
         noise = float(np.median(fitted[:, 3])) if fitted.shape[1] > 3 else \
-            jitter([(s, p) for runs in cells.values() for s, p, _ in runs], overhead)
+            jitter([(s, p) for runs in cells.values() for s, p, _, _ in runs], overhead)
+        sigma = fitted[:, 3] if fitted.shape[1] > 3 else np.full(len(ranks), noise)
         for column, runs in cells.items():
-            a = np.array([(s.sum() / (b + overhead).sum(), float(np.mean(s[:, None] - p)), float(np.mean(p.max(1) / b)))
-                          for s, p, b in runs])
+            a = np.array([(s.sum() / (b + overhead).sum(), float(np.mean(s[:, None] - p)), float(np.mean(p.max(1) / b)),
+                           jitter_cost(each, sigma).sum() / (b + overhead).sum()) for s, p, b, each in runs])
             sim = [tokensim.replay(_unions(ranks, key, column, i), fits[:, 0], fits[:, 1], cost, POLICY[column],
                                    REBALANCE_EVERY, overhead, noise, timed_from=WARMUP, seeds=REPLAY_SEEDS)["simulated"]
                    for i in range(len(runs))]
@@ -272,7 +284,7 @@ def summarise(ranks: list[dict]) -> list[dict]:
                         "spread": float(a[:, 0].max() - a[:, 0].min()), "wait_ms": 1e3 * float(np.median(a[:, 1])),
                         "misallocation": float(np.median(a[:, 2])), "overhead_ms": 1e3 * overhead,
                         "cost_ratio": float(fits[1, 1] / fits[0, 1]), "attention": cost.attention, "runs": len(a),
-                        "simulated": float(np.median(sim)), "noise": noise})
+                        "simulated": float(np.median(sim)), "noise": noise, "jitter": float(np.median(a[:, 3]))})
     return out
 
 
@@ -361,6 +373,11 @@ def section(tk: dict) -> list[str]:
     lines += markdown_table(["collator", "ranks", "rank 1's cost per unit / rank 0's", *columns], body)
     lines += ["", "Overhead per step outside the compute (in the ideal): " + ", ".join(
         f"{k[0]} {k[1]} {v['overhead_ms']:.1f} ms" for k, v in first.items()), ""]
+    if all("jitter" in r for r in rows):
+        tok = {(r["collator"], r["ranks"]): r for r in rows if r["column"] == "tokens"}
+        lines += ["What the ranks' own jitter adds to the best split of the tokens column's steps, over the ideal (no "
+                  "split removes it; tokenbench.jitter_cost): " + ", ".join(
+                      f"{k[0]} {k[1]} +{v['jitter']:.3f}" for k, v in tok.items()), ""]
     if all("simulated" in r for r in rows):
         lines += ["Each run replayed in the simulator (hetero.lab.tokensim.replay: its own steps' samples, the "
                   "calibrated costs, the overhead and the ranks' jitter in their calibration): measured / simulated "

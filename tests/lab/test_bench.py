@@ -567,3 +567,16 @@ def test_the_tokens_ideal_is_fitted_on_what_the_runs_own_batches_took():
         del r["runs"][key]["plain"][0]["compute"]
     assert tokenbench.in_situ(ranks, key, cost) is None
     assert tokenbench.summarise(ranks)[0]["cost_ratio"] < 1.5
+
+
+def test_the_jitter_no_split_removes_is_largest_where_the_ranks_are_level():
+    """tokenbench.jitter_cost: two ranks level at 1 s with log sd 0.2 each are slowest at 1 + 0.2 / sqrt(pi) on
+    average (the expected maximum of two such draws), one rank far ahead of the other costs next to nothing, and no
+    jitter costs nothing."""
+    from hetero.lab import tokenbench
+
+    level, apart = np.array([[1.0, 1.0]]), np.array([[1.0, 0.1]])
+    assert tokenbench.jitter_cost(level, np.array([0.2, 0.2]), draws=200_000)[0] == pytest.approx(0.2 / np.pi ** 0.5,
+                                                                                                 rel=0.03)
+    assert tokenbench.jitter_cost(apart, np.array([0.2, 0.2]))[0] < 0.01
+    assert tokenbench.jitter_cost(level, np.zeros(2))[0] == pytest.approx(0.0, abs=1e-12)

@@ -153,6 +153,9 @@ def _head():
     """A running Ray cluster of 2 CPUs, as `ray start --head` begins one on a machine (--block: it stops its
     processes when signalled), with its own temporary folder and ports (so no other run on this machine finds or
     collides with it); yields its address. A start that timed out (STARTUP) is tried again, up to 3 times."""
+    # its SIGTERM would first drain the node for up to 30 s (Ray's RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S, for Serve's
+    # proxies), and a node that ran Ray Train keeps it busy that long: 30 s idle per test; <= 0 stops it at once
+    head_env = {**_env(), "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     for attempt in range(3):
         tmp = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # Ray's socket paths must stay short
         port, client, agent = free_port(), free_port(), free_port()
@@ -161,7 +164,7 @@ def _head():
             head = subprocess.Popen([str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
                                      "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats",
                                      f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-                                     f"--temp-dir={tmp}", "--block"], cwd=ROOT, env=_env(), stdout=out,
+                                     f"--temp-dir={tmp}", "--block"], cwd=ROOT, env=head_env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 300
         while head.poll() is None and "Ray runtime started" not in log.read_text() and time.monotonic() < deadline:

@@ -20,13 +20,13 @@ from .engine import Engine, build, emulated
 from .guard import OptimizerGuard
 from .hook import balance_hook
 from .lossweight import LossWeighting
-from .replay import fit
+from .replay import CostReplay, fit
 from .rules import whole
 from .settings import Settings
 
 
 def bind(current: Engine | None, settings: Settings, rank: int, world: int, hetero: str,
-         replay: dict[int, np.ndarray] | None, length: int, lengths: tuple | None = None) -> Engine:
+         replay: dict[int, np.ndarray] | CostReplay | None, length: int, lengths: tuple | None = None) -> Engine:
     """The engine of rank `rank` in a world of `world` (the current one if it is that world's); `length`: the
     epoch's n_samples given before the world was known (0: none yet); `lengths`: batch_sampler's (lengths,
     loss_tokens, seed) then, by tokens."""
@@ -77,7 +77,7 @@ def attach(e: Engine, model: torch.nn.Module, probed: bool) -> OptimizerGuard:
 
 
 def plug(e: Engine | None, what: str, hetero: str | None = None,
-         replay: dict[int, np.ndarray] | None = None) -> Engine | None:
+         replay: dict[int, np.ndarray] | CostReplay | None = None) -> Engine | None:
     """The emulation spec or the recorded sizes into a bound engine (None: the world is not bound yet, and build
     takes them then); refused once attached. Returns the engine to use from now on (an emulation spec makes a new
     one over the same plan)."""

@@ -145,9 +145,9 @@ class Balance:
         self._engine = plug(self._engine, "emulate", hetero=spec)  # unbound: bind takes it (Lightning: in setup)
         self._hetero = spec
 
-    def replay(self, sizes: dict[int, np.ndarray]) -> None:
-        """Train with recorded sizes {epoch: [steps, world]} instead of deciding: consecutive epochs of the epoch's
-        steps, one column per rank, each step summing to global_batch (replay.py checks them as each is known).
+    def replay(self, sizes: dict[int, np.ndarray] | list[Decision]) -> None:
+        """Train with recorded sizes {epoch: [steps, world]} summing to global_batch, or with a collator the run's
+        `bal.decisions` (each step split by the costs they recorded), instead of deciding (checked by replay.py).
 
         Raises:
             ValueError: a record that does not fit the world or the epoch. HeteroError: after attach; past the record.

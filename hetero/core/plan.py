@@ -141,8 +141,11 @@ class Plan:
             shares, sizes, noise = b.shares, b.sizes, b.window_noise_s
             chosen, even = b.predicted() or (None, None)  # the read-out's numbers, kept with the decision
         at = sched.adopt(sched.index(self.at.epoch, step), furthest)
+        costs = {} if self._costs is None else {"fixed_s": self._costs.fixed_s.tolist(),
+                                                 "per_unit_s": self._costs.per_unit_s.tolist(),
+                                                 "attention": self._costs.attention}
         d = Decision(self.at.epoch, step, at, sizes.tolist(), shares.tolist(), compute.mean(0).tolist(), chosen,
-                     even, noise, changed)
+                     even, noise, changed, **costs)
         self._decisions.append(d)
         return d
 

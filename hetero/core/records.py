@@ -36,6 +36,12 @@ class Decision:
     noise_s: float | None = None  # how far noise could move a difference of two ranks' mean steps in the window
     #                               decided on (Balancer.window_noise_s); None: too few steps to measure it
     changed: bool = False         # `sizes` differ from the sizes in force before this decision
+    # By tokens (a Balance with a collator): the fitted costs the split follows from `effective` on, every rank's
+    # fixed seconds and seconds per cost unit, and the attention weight (tokens.CostModel); what bal.replay takes
+    # to split every step of the run again exactly as it was. None when the Balance splits by counts.
+    fixed_s: list[float] | None = None
+    per_unit_s: list[float] | None = None
+    attention: float | None = None
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,24 @@ that do not exist.
 - `fit`, at bind (the world is known) and once the epoch length is known: the width is the world's, every
   recorded epoch has the epoch's steps;
 - `sizes`, when a step's sizes are fixed: an epoch past the record, or a step past it in a loop without epochs.
+
+By tokens (a Balance with a collator) a step's split is not its sizes but which samples each rank takes, a pure
+function of the step's window, the samples' lengths and the fitted costs in force (tokens.split). So a run by tokens
+is replayed from its decisions (`bal.decisions`, or their dicts, as JSON keeps them): from each one's `effective`
+position on, the costs it recorded (`fixed_s`, `per_unit_s`, `attention`) are the regime; before the first, the
+prior, as in the run. `costs` checks that record at bal.replay(); `fit` its width at bind. Every step is then split
+exactly as the run split it, and no decision is made.
 """
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 
 from .agree import HeteroError
 from .settings import Settings
+from .tokens import CostModel
 
 Replay = dict[int, np.ndarray]
 
@@ -56,11 +65,64 @@ def _table(epoch: int, value, settings: Settings) -> np.ndarray:
     return a.astype(np.int64)
 
 
-def recorded(sizes, settings: Settings) -> Replay:
-    """bal.replay's argument checked on its own (no world needed): a checked copy, epoch -> int64 [steps, width]."""
+@dataclass(frozen=True)
+class CostReplay:
+    """A run by tokens replayed: from position regimes[i][0] on, the split follows the cost model regimes[i][1]."""
+    regimes: list[tuple[int, CostModel]]
+    width: int
+
+
+def _costs_line(why: str) -> ValueError:
+    return ValueError(f"hetero: bal.replay(decisions) of a run by tokens {why}")
+
+
+def costs(record) -> CostReplay:
+    """bal.replay's argument for a Balance with a collator: the run's decisions (records.Decision or dicts of their
+    fields), each with its effective position and the fitted costs it recorded; checked on its own."""
+    if isinstance(record, dict):
+        raise _costs_line("takes the run's list of decisions (bal.decisions), not {epoch: sizes}: a collator splits "
+                          "each step by its samples' lengths, so sizes do not say which samples each rank took")
+    try:
+        items = list(record)
+    except TypeError:
+        raise _costs_line(f"takes a list of decisions (got {type(record).__name__})") from None
+    regimes, last = [], -1
+    for i, d in enumerate(items):
+        get = d.get if isinstance(d, dict) else (lambda k, d=d: getattr(d, k, None))
+        effective, fixed, per, attention = (get(k) for k in ("effective", "fixed_s", "per_unit_s", "attention"))
+        if fixed is None or per is None or attention is None:
+            raise _costs_line(f"has decision {i} without fitted costs (fixed_s, per_unit_s, attention): a decision "
+                              f"of a run that split by counts, which replays its sizes ({{epoch: [steps, ranks]}})")
+        if isinstance(effective, bool) or not isinstance(effective, numbers.Integral) or effective <= last:
+            raise _costs_line(f"has decision {i} taking effect at {effective!r}: each one's effective position is a "
+                              f"whole number after the one before it (the run's decisions, in order)")
+        try:
+            fixed, per, attention = np.asarray(fixed, float), np.asarray(per, float), float(attention)
+        except (TypeError, ValueError):
+            raise _costs_line(f"has decision {i} whose costs are not numbers") from None
+        if fixed.ndim != 1 or fixed.shape != per.shape or not fixed.size or not (
+                np.isfinite(fixed).all() and (fixed >= 0).all() and np.isfinite(per).all() and (per > 0).all()
+                and np.isfinite(attention) and attention >= 0):
+            raise _costs_line(f"has decision {i} with costs fixed_s={fixed.tolist()}, per_unit_s={per.tolist()}, "
+                              f"attention={attention}: one finite fixed_s >= 0 and per_unit_s > 0 per rank, an "
+                              f"attention >= 0")
+        model = CostModel(len(per), attention=attention)
+        model.fixed_s, model.per_unit_s = fixed, per
+        regimes.append((int(effective), model))
+        last = int(effective)
+    if not regimes:
+        raise _costs_line("is empty: a run that made no decision split every step by the prior; replay nothing")
+    if len(widths := {m.world for _, m in regimes}) > 1:
+        raise _costs_line(f"records {' and '.join(map(str, sorted(widths)))} ranks in different decisions: one "
+                          f"world's record")
+    return CostReplay(regimes, regimes[0][1].world)
+
+
+def recorded(sizes, settings: Settings) -> Replay | CostReplay:
+    """bal.replay's argument checked on its own (no world needed): a checked copy, epoch -> int64 [steps, width];
+    by tokens, the decisions' regimes (costs)."""
     if settings.by_tokens:
-        raise ValueError("hetero: replay() records sizes, and a Balance with a collator splits each step by its "
-                         "samples' lengths: replay without collator")
+        return costs(sizes)
     if not isinstance(sizes, dict):
         raise _line(f"takes a dict of epochs (got {type(sizes).__name__})")
     if not sizes:
@@ -75,10 +137,15 @@ def recorded(sizes, settings: Settings) -> Replay:
     return out
 
 
-def fit(replay: Replay | None, world: int, steps_per_epoch: int) -> None:
+def fit(replay: Replay | CostReplay | None, world: int, steps_per_epoch: int) -> None:
     """At bind and once the epoch length is known (0: not yet, or a loop without epochs): the record is this
     world's, and each recorded epoch has exactly the epoch's steps."""
     if replay is None:
+        return
+    if isinstance(replay, CostReplay):
+        if replay.width != world:
+            raise _costs_line(f"records the costs of {replay.width} rank(s), but the world has {world}: replay a "
+                              f"record of this world's ranks")
         return
     width = next(iter(replay.values())).shape[1]
     if width != world:

@@ -4,7 +4,8 @@ A position is epoch x steps_per_epoch + step. A position's sizes are fixed when 
 them (a DataLoader's workers may run ahead), from the regime in force there: the balancer as it was after the last
 decision taking effect at or before it. A decision made after position p takes effect at p + 1 + lag; with lag
 None, at the first position no rank's sampler has handed out yet (the furthest `handed` over the ranks), so no step
-is ever cut two ways. A replay fixes the sizes instead: recorded {epoch: [steps, world]}, no decisions.
+is ever cut two ways. A replay fixes the sizes instead: recorded {epoch: [steps, world]}, no decisions (by tokens:
+the run's recorded regimes, replay.CostReplay).
 
 By tokens (Settings.collator, issue 49): a regime is the fitted cost model (tokens.CostModel) instead of the
 balancer, and a position's rows are `tokens.split` of that step's window of the shared permutation, by the samples'
@@ -52,7 +53,7 @@ class SizeSchedule:
         per_rank = settings.per_rank_max(world)
         self.probes = [v == "probe" for v in per_rank]  # ranks whose largest batch bal.probe finds
         self.configured = [float("inf") if v in (None, 0, "probe", float("inf")) else int(v) for v in per_rank]
-        self.replayed: dict[int, np.ndarray] | None = None
+        self.replayed: dict[int, np.ndarray] | replay.CostReplay | None = None
         self.n_samples: int | None = None
         self.steps_per_epoch = 0  # 0: no epochs (a loop without batch_sampler)
         self._balancer: Balancer | None = None
@@ -128,10 +129,10 @@ class SizeSchedule:
         """Every rank's sizes at (epoch, step), the same on every rank; fixed from now on."""
         pos = self.index(epoch, step)
         if pos not in self.planned:
-            if self.replayed is not None:
+            if isinstance(self.replayed, dict):
                 self.planned[pos] = replay.sizes(self.replayed, epoch, step)
             else:  # the regime in force at pos; affine's first epoch probes two sizes (Balancer.sizes_for_step)
-                regime = next(b for start, b in reversed(self.regimes) if start <= pos)
+                regime = next(b for start, b in reversed(self._regimes()) if start <= pos)
                 if self.cost is not None:
                     self.rows[pos] = self._split(regime, epoch, step)
                     self.planned[pos] = np.array([len(r) for r in self.rows[pos]], np.int64)
@@ -141,6 +142,13 @@ class SizeSchedule:
                     self.planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
             self.handed = max(self.handed, pos + 1)
         return self.planned[pos]
+
+    def _regimes(self) -> list[tuple[int, Balancer | CostModel]]:
+        """The regimes in force: the decisions', or a replay by tokens' recorded ones after the prior (no decision
+        is made in a replay, so the first regime is still the prior)."""
+        if isinstance(self.replayed, replay.CostReplay):
+            return [self.regimes[0], *self.replayed.regimes]
+        return self.regimes
 
     def _split(self, costs: CostModel, epoch: int, step: int) -> list[np.ndarray]:
         """Every rank's sample indices at (epoch, step): the step's window of the shared permutation, split by the

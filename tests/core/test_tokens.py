@@ -9,6 +9,7 @@ steps. One launch per world runs every case in turn; three negative controls (sa
 equal weights, packing without the document mask) each miss the reference."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import json
@@ -528,7 +529,8 @@ def test_a_bad_lengths_argument_is_one_line():
         (lambda: by_tokens.batch_sampler(20, lengths=L[:19]), "19 lengths for a data set of 20 samples"),
         (lambda: by_tokens.batch_sampler(20, lengths=L, loss_tokens=L + 1), "loss_tokens\\[0\\] is 2, outside 0..1"),
         (lambda: by_tokens.batch_sampler(20, lengths=L, loss_tokens=L * 0.5), "one whole number per sample"),
-        (lambda: by_tokens.replay({0: np.full((5, 1), 4)}), "replay without collator"),
+        (lambda: by_tokens.replay({0: np.full((5, 1), 4)}), "takes the run's list of decisions \\(bal.decisions\\), "
+                                                            "not \\{epoch: sizes\\}"),
     ]
     for call, line in cases:
         with pytest.raises(ValueError, match=line) as e:
@@ -552,6 +554,69 @@ def test_a_state_split_by_counts_is_not_resumed_by_tokens():
     tokens.set_world(0, 1)
     with pytest.raises(ValueError, match="resume with the collator it was saved with"):
         tokens.load_state_dict(counts.state_dict())
+
+
+def _costs(effective: int, per_unit: list[float], attention: float = 0.0) -> dict:
+    """A decision by tokens as JSON keeps it: where it took effect and the fitted costs it recorded."""
+    return {"epoch": 0, "step": effective - 1, "effective": effective, "sizes": [6, 6], "shares": [0.5, 0.5],
+            "compute_s": [0.1, 0.1], "fixed_s": [0.0] * len(per_unit), "per_unit_s": [1e-6 * v for v in per_unit],
+            "attention": attention}
+
+
+def test_a_replay_by_tokens_splits_each_step_by_the_costs_in_force_there_on_every_rank():
+    """bal.replay(decisions) with a collator: before the first decision's effective position the prior's split,
+    from each one's position on the split its recorded costs make (the same as a Balance holding those costs), on
+    every rank alike; no decision is made."""
+    lengths = np.random.default_rng(7).integers(1, 513, 60)  # 5 steps of 12
+    record = [_costs(2, [1.0, 3.0]), _costs(4, [3.0, 1.0])]
+
+    def rows(bal) -> list[list[list[int]]]:
+        return [[r.tolist() for r in bal.engine.plan.schedule.rows_at(0, s)] for s in range(5)]
+
+    want = []
+    for per_unit in (None, [1.0, 3.0], [3.0, 1.0]):
+        bal = _bound(0, 2, "packed", "samples", lengths, None)
+        if per_unit is not None:
+            _fitted(bal, per_unit)
+        want.append(rows(bal))
+    assert want[0] != want[1] != want[2] != want[0]  # the three regimes split differently: the control
+    for rank in range(2):
+        bal = hetero.Balance(global_batch=12, collator="packed", rebalance_every=1)
+        bal.set_world(rank, 2)
+        bal.replay(record)
+        bal.sampler = bal.batch_sampler(60, lengths=lengths)
+        assert rows(bal) == [*want[0][:2], *want[1][2:4], want[2][4]]
+        bal.set_epoch(0)
+        for idx in bal.sampler:
+            with bal.step(len(idx)):
+                pass
+        assert bal.decisions == []
+
+
+@pytest.mark.parametrize("record, line", [
+    ({0: [[6, 6]]}, r"takes the run's list of decisions \(bal.decisions\), not \{epoch: sizes\}"),
+    (5, "takes a list of decisions \\(got int\\)"),
+    ([], "is empty"),
+    ([{**_costs(1, [1.0, 1.0]), "fixed_s": None}], "has decision 0 without fitted costs .*which replays its sizes"),
+    ([_costs(2, [1.0, 1.0]), _costs(2, [1.0, 2.0])], "has decision 1 taking effect at 2: .*after the one before"),
+    ([_costs(1, [1.0, -1.0])], "has decision 0 with costs .*per_unit_s > 0 per rank"),
+    ([_costs(1, [1.0, 1.0], attention=float("nan"))], "has decision 0 with costs .*an attention >= 0"),
+    ([_costs(1, [1.0, 1.0]), _costs(2, [1.0, 1.0, 1.0])], "records 2 and 3 ranks in different decisions"),
+    ([_costs(1, [1.0, 1.0, 1.0])], "records the costs of 3 rank\\(s\\), but the world has 2"),
+])
+def test_a_bad_replay_by_tokens_is_one_line(record, line):
+    bal = hetero.Balance(global_batch=12, collator="padded")
+    bal.set_world(0, 2)
+    with pytest.raises(ValueError, match=r"^hetero: bal.replay\(decisions\) of a run by tokens " + line) as e:
+        bal.replay(record)
+    assert "\n" not in str(e.value)
+
+
+def test_a_replay_of_a_run_by_counts_still_takes_its_sizes():
+    bal = hetero.Balance(global_batch=12)
+    bal.set_world(0, 2)
+    with pytest.raises(ValueError, match=r"takes a dict of epochs \(got list\)"):
+        bal.replay([_costs(1, [1.0, 1.0])])
 
 
 def test_a_collator_said_at_the_sampler_splits_by_tokens_and_is_refused_where_it_cannot():
@@ -805,6 +870,7 @@ OOM = 600
 BUDGET = {"budget-padded-tokens": 6400, "budget-packed-samples": 6400, "budget-micro2-padded-samples": 6400,
           "fsdp2-budget-packed-tokens": 6400, "budget-weights-of-a-fixed-batch": 6400}
 MICRO["budget-micro2-padded-samples"] = 2
+MICRO["replay-micro2-padded-tokens"] = 2
 
 CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop computes, the model keeps documents apart,
     #               a weight the loop sets: False, "equal" 1 / world, "fixed" its count over an epoch's mean count)
@@ -830,6 +896,9 @@ CASES = {  # name: (collator, the Balance's loss_mean, the loss the loop compute
     "budget-packed-samples": ("packed", "samples", "samples", True, False),
     "budget-micro2-padded-samples": ("padded", "samples", "samples", True, False),
     "fsdp2-budget-packed-tokens": ("packed", "tokens", "tokens", True, False),
+    # bal.replay of the run above (its decisions as plain dicts, as JSON keeps them): the same split, no decision
+    "replay-packed-tokens": ("packed", "tokens", "tokens", True, False),
+    "replay-micro2-padded-tokens": ("padded", "tokens", "tokens", True, False),
     # negative controls: each must miss the reference of its loss
     "sample-weights-for-a-token-mean": ("padded", "samples", "tokens", True, False),
     "equal-weights": ("padded", "tokens", "tokens", True, "equal"),
@@ -871,6 +940,8 @@ def _worker(rank: int, out: str, world: int) -> None:
             probed = bal.probe(OutOfMemoryAbove(OOM if rank == world - 1 else 10**9), device=torch.device("cpu"),
                                max_length=512)
             assert probed == [1024.0] * (world - 1) + [0.9 * OOM], probed  # every rank's, gathered
+        if name.startswith("replay-"):
+            bal.replay(json.loads(json.dumps(result[name.removeprefix("replay-")]["decisions"])))
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         sampler = bal.batch_sampler(N, lengths=lengths, loss_tokens=counted if mean == "tokens" else None)
@@ -895,7 +966,8 @@ def _worker(rank: int, out: str, world: int) -> None:
             if bal.position.step > step:  # the step ended
                 full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in ddp.parameters()]  # collective
                 params.append(torch.cat([p.detach().flatten() for p in full]).tolist())
-        result[name] = {"rows": rows, "params": params, "batches": batches}
+        result[name] = {"rows": rows, "params": params, "batches": batches,
+                        "decisions": [dataclasses.asdict(d) for d in bal.decisions]}
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -966,6 +1038,21 @@ def test_a_split_by_tokens_equals_one_process_on_the_unpacked_union(launched, na
                 any(cost.work(lengths[r[i:i + m]]) > cap for r in by_count for i in range(0, len(r), m)))
     # not the split by counts: rank 0's rows are not the window's head
     assert any(sorted(r0) != sorted(w[:len(r0)]) for w, r0 in zip(windows, ranks[0][name]["rows"]))
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("replay-")])
+def test_a_replay_by_tokens_splits_every_step_as_the_run_did_and_decides_nothing(launched, name):
+    """bal.replay(the run's decisions, through JSON): every rank takes the rows it took in the run at every step,
+    the parameters after every step are the run's to the bit, and the replay makes no decision."""
+    world, ranks = launched
+    run = name.removeprefix("replay-")
+    for r in ranks:
+        assert r[run]["decisions"] and all(d["per_unit_s"] is not None and len(d["per_unit_s"]) == world
+                                           for d in r[run]["decisions"])
+        assert r[name]["rows"] == r[run]["rows"] and r[name]["batches"] == r[run]["batches"]
+        assert r[name]["params"] == r[run]["params"]
+        assert r[name]["decisions"] == []
 
 
 @pytest.mark.launch

@@ -19,7 +19,9 @@ What is reported, per row and column (the medians over RUNS runs):
   compute (the all-reduce, the optimizer, the Trainer's loop): the median over every run of the row of the measured
   step less its slowest predicted compute;
 - wait: the mean over steps and ranks of the measured step time less the rank's predicted compute for its rows;
-- misallocation: the slowest rank's predicted compute over the ideal's, per step (1: the split could not be better).
+- misallocation: the slowest rank's predicted compute over the ideal's, per step (1: the split could not be better);
+- measured balance: the ranks' mean measured compute per step (fwd + bwd, after WARMUP), the slowest rank's over
+  their mean (1: every rank computed as long on average). It needs no fitted cost: what the split did, as timed.
 
     torchrun --standalone --nproc-per-node=2 -m hetero.lab.tokenbench --out DIR --runs R --steps S
 """
@@ -284,8 +286,22 @@ def summarise(ranks: list[dict]) -> list[dict]:
                         "spread": float(a[:, 0].max() - a[:, 0].min()), "wait_ms": 1e3 * float(np.median(a[:, 1])),
                         "misallocation": float(np.median(a[:, 2])), "overhead_ms": 1e3 * overhead,
                         "cost_ratio": float(fits[1, 1] / fits[0, 1]), "attention": cost.attention, "runs": len(a),
-                        "simulated": float(np.median(sim)), "noise": noise, "jitter": float(np.median(a[:, 3]))})
+                        "simulated": float(np.median(sim)), "noise": noise, "jitter": float(np.median(a[:, 3])),
+                        "measured_balance": float(np.median([measured_balance(ranks, key, column, i)
+                                                             for i in range(len(runs))]))})
     return out
+
+
+def measured_balance(ranks: list[dict], key: str, column: str, i: int) -> float:
+    """Run i of a column: the ranks' mean measured compute per step after WARMUP, the largest over their mean (NaN
+    for runs recorded without it)."""
+    means = []
+    for r in ranks:
+        took = np.asarray(r["runs"][key][column][i].get("compute", []), float)[WARMUP:]
+        if not len(took):
+            return float("nan")
+        means.append(took.mean())
+    return float(max(means) / np.mean(means))
 
 
 def _unions(ranks: list[dict], key: str, column: str, i: int) -> list[np.ndarray]:
@@ -378,6 +394,12 @@ def section(tk: dict) -> list[str]:
         lines += ["What the ranks' own jitter adds to the best split of the tokens column's steps, over the ideal (no "
                   "split removes it; tokenbench.jitter_cost): " + ", ".join(
                       f"{k[0]} {k[1]} +{v['jitter']:.3f}" for k, v in tok.items()), ""]
+    if all(np.isfinite(r.get("measured_balance", np.nan)) for r in rows):
+        lines += ["Measured balance: the ranks' mean compute per step (fwd + bwd, as timed in the runs), the slowest "
+                  "rank's over their mean (1.00: every rank computed as long on average; no fitted cost in it):", ""]
+        lines += markdown_table(["collator", "ranks", *columns], [
+            [*key] + [f"{r['measured_balance']:.3f}" for r in rows if (r["collator"], r["ranks"]) == key]
+            for key in first]) + [""]
     if all("simulated" in r for r in rows):
         lines += ["Each run replayed in the simulator (hetero.lab.tokensim.replay: its own steps' samples, the "
                   "calibrated costs, the overhead and the ranks' jitter in their calibration): measured / simulated "

@@ -563,9 +563,14 @@ def test_the_tokens_ideal_is_fitted_on_what_the_runs_own_batches_took():
     assert np.allclose(got[:, :3], true, rtol=1e-6, atol=1e-12) and np.all(got[:, 3] < 1e-6)
     (row, _) = tokenbench.summarise(ranks)
     assert row["cost_ratio"] == pytest.approx(3.0, rel=0.05)  # in situ; the calibration before said 1
+    # the measured balance, from the times alone: rank 1's batches took about 2.9x rank 0's here (the same split)
+    mean = [np.mean(r["runs"][key]["tokens"][0]["compute"][tokenbench.WARMUP:]) for r in ranks]
+    assert row["measured_balance"] == pytest.approx(max(mean) / np.mean(mean)) and 1.4 < row["measured_balance"] < 1.6
+    assert tokenbench.measured_balance([ranks[0], ranks[0]], key, "tokens", 0) == 1.0
     for r in ranks:
         del r["runs"][key]["plain"][0]["compute"]
     assert tokenbench.in_situ(ranks, key, cost) is None
+    assert np.isnan(tokenbench.measured_balance(ranks, key, "plain", 0))
     assert tokenbench.summarise(ranks)[0]["cost_ratio"] < 1.5
 
 

@@ -13,6 +13,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -461,11 +462,21 @@ def test_configs_hetero_cannot_weight_are_refused_at_attach_on_every_rank(runs, 
 def test_a_loop_that_steps_the_engine_wrongly_stops_every_rank_with_one_line(tmp_path, case, line):
     """engine.step() never (under ZeRO-3), or before the backward (under ZeRO-3 rank 1's gathers then fail: it says
     rank 0's line), or a backward that bypasses engine.backward (its loss unweighted): every rank stops with hetero's
-    line, none with DeepSpeed's assertion or a hang."""
+    line, none with DeepSpeed's assertion or a hang.
+
+    Before the backward, rank 0 refuses alone while rank 1 waits in ZeRO-3's parameter gather, a gloo collective in
+    C++ that ends only when rank 0's process exits (after its 3.5 s for the line to be read, agree.post). torchrun's
+    agent then stops rank 1 within its monitor interval (0.1 s): on a loaded host (one core kept busy, 2026-12-07)
+    before rank 1 could say the line. There, rank 0's line and rank 1's stop by torchrun's SIGTERM are what holds
+    (docs/deepspeed.md); any line rank 1 says is still rank 0's."""
     p = _torchrun(2, tmp_path / "rec", case)
     assert p.returncode != 0
     said = [ln for ln in p.stderr.splitlines() if ln.startswith("hetero: ")]
-    assert len(said) == 2 and all(ln.startswith(line) for ln in said), p.stderr[-4000:]
+    alone = case.endswith(":early")
+    assert (len(said) in (1, 2) if alone else len(said) == 2) and all(ln.startswith(line) for ln in said), \
+        p.stderr[-4000:]
+    if len(said) == 1:  # rank 1 stopped by torchrun before it said the line: by its SIGTERM, nothing else
+        assert re.search(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: -15 ", p.stderr), p.stderr[-4000:]
     assert "]: Traceback" not in p.stderr and "AssertionError" not in p.stderr  # no rank's traceback
 
 

@@ -76,6 +76,12 @@ def _costs_line(why: str) -> ValueError:
     return ValueError(f"hetero: bal.replay(decisions) of a run by tokens {why}")
 
 
+def _fitted(d) -> bool:
+    """A decision of a run by tokens (a records.Decision, or a dict of its fields, with the costs it fitted)."""
+    get = d.get if isinstance(d, dict) else lambda k: getattr(d, k, None)
+    return get("per_unit_s") is not None
+
+
 def costs(record) -> CostReplay:
     """bal.replay's argument for a Balance with a collator: the run's decisions (records.Decision or dicts of their
     fields), each with its effective position and the fitted costs it recorded; checked on its own."""
@@ -123,6 +129,10 @@ def recorded(sizes, settings: Settings) -> Replay | CostReplay:
     by tokens, the decisions' regimes (costs)."""
     if settings.by_tokens:
         return costs(sizes)
+    if isinstance(sizes, (list, tuple)) and sizes and all(_fitted(d) for d in sizes):
+        raise _costs_line("needs the Balance built with the run's collator ('padded' or 'packed'; HeteroTrainer "
+                          "chose it from its data_collator, and bal.settings.collator said it): without one it "
+                          "splits by counts and replays sizes")
     if not isinstance(sizes, dict):
         raise _line(f"takes a dict of epochs (got {type(sizes).__name__})")
     if not sizes:

@@ -616,7 +616,11 @@ def test_a_replay_of_a_run_by_counts_still_takes_its_sizes():
     bal = hetero.Balance(global_batch=12)
     bal.set_world(0, 2)
     with pytest.raises(ValueError, match=r"takes a dict of epochs \(got list\)"):
-        bal.replay([_costs(1, [1.0, 1.0])])
+        bal.replay([{**_costs(1, [1.0, 1.0]), "fixed_s": None, "per_unit_s": None}])  # a run by counts' decisions
+    # a run by tokens' decisions (HeteroTrainer's default where the lengths vary) to a Balance without a collator
+    with pytest.raises(ValueError, match=r"^hetero: bal.replay\(decisions\) of a run by tokens needs the Balance "
+                                         r"built with the run's collator \('padded' or 'packed'"):
+        bal.replay(json.loads(json.dumps([_costs(1, [1.0, 1.0])])))
 
 
 def test_a_collator_said_at_the_sampler_splits_by_tokens_and_is_refused_where_it_cannot():

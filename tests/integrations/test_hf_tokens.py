@@ -8,9 +8,11 @@ mask) misses it: the negative control. Under a token budget (steps of 17, 15 and
 one batch per rank and accumulating rows one at a time, equals the plain Trainer run step by step on each step's
 documents. Packed batches without position_ids are refused in one line. A Balance built
 without a collator splits by tokens all the same (the Trainer's default where the lengths vary), with the
-Trainer's collator's layout; where they do not vary, or a replay fixes the sizes, it splits by counts."""
+Trainer's collator's layout; where they do not vary, or a replay fixes the sizes, it splits by counts. A run by
+tokens is replayed from its decisions (through JSON): every forward gets the run's rows, on every rank."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -103,28 +105,56 @@ def _args(out: str, batch: int, **kw) -> tf.TrainingArguments:
                                    "remove_unused_columns": False, "ddp_find_unused_parameters": False, **kw})
 
 
+def _forwards(model) -> list:
+    """Every forward's input_ids as the model gets them (a forward pre-hook), kept in the list returned."""
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].tolist()),
+                                    with_kwargs=True)
+    return seen
+
+
+def _swapped(decisions: list[dict]) -> list[dict]:
+    """The record with the two ranks' fitted costs swapped: rank 0 the slower (the replay's negative control)."""
+    return [{**d, "fixed_s": d["fixed_s"][::-1], "per_unit_s": d["per_unit_s"][::-1]} for d in decisions]
+
+
+def _train(case: str, out: str, record: list[dict] | None = None) -> dict:
+    """One HeteroTrainer run of a case on this rank; with a record, bal.replay(record) of a run by tokens."""
+    collator = CASES[case]
+    micro = "accumulated" in case  # the common LLM setting: rows one at a time, accumulated
+    budget = BUDGET if case.startswith("budget") else None
+    bal = hetero.Balance(global_batch=None if budget else B, token_budget=budget, seed=SEED, collator=collator,
+                         rebalance_every=1, micro_batch=int(micro),
+                         max_tokens=[None, CAP if micro else STEP_CAP] if case.startswith("capped") else None)
+    bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
+    if record is not None:
+        bal.replay(json.loads(json.dumps(record)))  # as a run's decisions come back from a JSON file
+    model = _model(Unmasked if case == "packed-without-document-mask" else
+                   tf.LlamaForCausalLM)
+    args = _args(f"{out}/{case}", 1, gradient_accumulation_steps=B // 2) if micro else \
+        _args(f"{out}/{case}", B // 2)
+    trainer = HeteroTrainer(model=model, args=args, train_dataset=Docs(),
+                            data_collator=_collator(case), balance=bal)
+    longest = _longest(model) if case.startswith("capped") else [None, None]
+    forwards = _forwards(model) if case in REPLAYED else []
+    trainer.train()
+    return {"params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
+            "sizes": bal.last_sizes, "kind": trainer._loss_kind, "collator": bal.settings.collator,
+            "longest": longest[0], "held": longest[1], "forwards": forwards,
+            "decisions": [dataclasses.asdict(d) for d in bal.decisions]}
+
+
+REPLAYED = ("padded", "accumulated-packed")  # replayed from their decisions (bal.replay of a run by tokens)
+
+
 def _worker(rank: int, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    result = {}
-    for case, collator in CASES.items():
-        micro = "accumulated" in case  # the common LLM setting: rows one at a time, accumulated
-        budget = BUDGET if case.startswith("budget") else None
-        bal = hetero.Balance(global_batch=None if budget else B, token_budget=budget, seed=SEED, collator=collator,
-                             rebalance_every=1, micro_batch=int(micro),
-                             max_tokens=[None, CAP if micro else STEP_CAP] if case.startswith("capped") else None)
-        bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
-        model = _model(Unmasked if case == "packed-without-document-mask" else
-                       tf.LlamaForCausalLM)
-        args = _args(f"{out}/{case}", 1, gradient_accumulation_steps=B // 2) if micro else \
-            _args(f"{out}/{case}", B // 2)
-        trainer = HeteroTrainer(model=model, args=args, train_dataset=Docs(),
-                                data_collator=_collator(case), balance=bal)
-        longest = _longest(model) if case.startswith("capped") else [None, None]
-        trainer.train()
-        result[case] = {"params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
-                        "sizes": bal.last_sizes, "kind": trainer._loss_kind, "collator": bal.settings.collator,
-                        "longest": longest[0], "held": longest[1]}
+    result = {case: _train(case, out) for case in CASES}
+    for case in REPLAYED:
+        run = result[case]["decisions"]
+        result[f"replay-{case}"] = _train(case, f"{out}/replay", run)
+        result[f"swapped-{case}"] = _train(case, f"{out}/swapped", _swapped(run))
     bal = hetero.Balance(global_batch=B, seed=SEED, collator="packed")
     trainer = HeteroTrainer(model=_model(), args=_args(f"{out}/unnumbered", B // 2), train_dataset=Docs(),
                             data_collator=tf.DataCollatorWithFlattening(return_position_ids=False), balance=bal)
@@ -200,6 +230,19 @@ def test_max_tokens_keeps_a_ranks_rows_within_its_cap_in_the_trainer(trained):
     assert longest[1] <= CAP < longest[0], longest
     held = [rank["capped-padded"]["held"] for rank in trained]  # one forward a step: its rows x the longest
     assert held[1] <= STEP_CAP < held[0], held
+
+
+@pytest.mark.parametrize("case", REPLAYED)
+def test_a_replay_by_tokens_through_the_trainer_gives_every_forward_the_runs_rows_and_decides_nothing(trained, case):
+    """bal.replay(the run's decisions, through JSON) in a HeteroTrainer: on each rank every forward gets the rows it
+    got in the run, the parameters end as the run's to the bit, and the replay makes no decision. The control: the
+    same record with the ranks' costs swapped gives other rows."""
+    for rank in trained:
+        run, replay = rank[case], rank[f"replay-{case}"]
+        assert len(run["decisions"]) == STEPS and all(len(d["per_unit_s"]) == 2 for d in run["decisions"])
+        assert replay["forwards"] == run["forwards"] and len(run["forwards"]) > STEPS
+        assert replay["params"] == run["params"] and replay["decisions"] == []
+    assert any(rank[f"swapped-{case}"]["forwards"] != rank[case]["forwards"] for rank in trained)
 
 
 def test_packed_without_the_document_mask_misses_the_union(trained, union):

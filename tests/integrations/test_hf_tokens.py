@@ -105,11 +105,16 @@ def _args(out: str, batch: int, **kw) -> tf.TrainingArguments:
                                    "remove_unused_columns": False, "ddp_find_unused_parameters": False, **kw})
 
 
-def _forwards(model) -> list:
-    """Every forward's input_ids as the model gets them (a forward pre-hook), kept in the list returned."""
+def _forwards(model, bal: hetero.Balance) -> list:
+    """Every training forward's step (counted over the run) and input_ids as the model gets them (a forward pre-hook),
+    kept in the list returned. The forwards in eval mode are left out: those of the first step's loss probe
+    (hetero/integrations/hf/loss.py), which a run and its resume each make before their first step."""
     seen = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].tolist()),
-                                    with_kwargs=True)
+
+    def hook(module, args, kwargs):
+        if module.training:
+            seen.append([bal.position.global_step, kwargs["input_ids"].tolist()])
+    model.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
 
 
@@ -118,8 +123,9 @@ def _swapped(decisions: list[dict]) -> list[dict]:
     return [{**d, "fixed_s": d["fixed_s"][::-1], "per_unit_s": d["per_unit_s"][::-1]} for d in decisions]
 
 
-def _train(case: str, out: str, record: list[dict] | None = None) -> dict:
-    """One HeteroTrainer run of a case on this rank; with a record, bal.replay(record) of a run by tokens."""
+def _train(case: str, out: str, record: list[dict] | None = None, resume: str | None = None) -> dict:
+    """One HeteroTrainer run of a case on this rank; with a record, bal.replay(record) of a run by tokens; the
+    RESUMED cases save a checkpoint after step SAVED, which `resume` (a checkpoint folder) resumes from."""
     collator = CASES[case]
     micro = "accumulated" in case  # the common LLM setting: rows one at a time, accumulated
     budget = BUDGET if case.startswith("budget") else None
@@ -131,13 +137,14 @@ def _train(case: str, out: str, record: list[dict] | None = None) -> dict:
         bal.replay(json.loads(json.dumps(record)))  # as a run's decisions come back from a JSON file
     model = _model(Unmasked if case == "packed-without-document-mask" else
                    tf.LlamaForCausalLM)
-    args = _args(f"{out}/{case}", 1, gradient_accumulation_steps=B // 2) if micro else \
-        _args(f"{out}/{case}", B // 2)
+    saves = {"save_strategy": "steps", "save_steps": SAVED} if case in RESUMED else {}
+    args = _args(f"{out}/{case}", 1, gradient_accumulation_steps=B // 2, **saves) if micro else \
+        _args(f"{out}/{case}", B // 2, **saves)
     trainer = HeteroTrainer(model=model, args=args, train_dataset=Docs(),
                             data_collator=_collator(case), balance=bal)
     longest = _longest(model) if case.startswith("capped") else [None, None]
-    forwards = _forwards(model) if case in REPLAYED else []
-    trainer.train()
+    forwards = _forwards(model, bal) if case in REPLAYED or case in RESUMED else []
+    trainer.train(resume_from_checkpoint=resume)
     return {"params": [p.detach().flatten().tolist() for p in trainer.model.parameters()],
             "sizes": bal.last_sizes, "kind": trainer._loss_kind, "collator": bal.settings.collator,
             "longest": longest[0], "held": longest[1], "forwards": forwards,
@@ -145,6 +152,7 @@ def _train(case: str, out: str, record: list[dict] | None = None) -> dict:
 
 
 REPLAYED = ("padded", "accumulated-packed")  # replayed from their decisions (bal.replay of a run by tokens)
+RESUMED, SAVED = ("padded", "accumulated-packed"), 2  # saved after step 2 of 3, and resumed from it
 
 
 def _worker(rank: int, out: str) -> None:
@@ -155,6 +163,8 @@ def _worker(rank: int, out: str) -> None:
         run = result[case]["decisions"]
         result[f"replay-{case}"] = _train(case, f"{out}/replay", run)
         result[f"swapped-{case}"] = _train(case, f"{out}/swapped", _swapped(run))
+    for case in RESUMED:
+        result[f"resumed-{case}"] = _train(case, f"{out}/resumed", resume=f"{out}/{case}/checkpoint-{SAVED}")
     bal = hetero.Balance(global_batch=B, seed=SEED, collator="packed")
     trainer = HeteroTrainer(model=_model(), args=_args(f"{out}/unnumbered", B // 2), train_dataset=Docs(),
                             data_collator=tf.DataCollatorWithFlattening(return_position_ids=False), balance=bal)
@@ -240,9 +250,21 @@ def test_a_replay_by_tokens_through_the_trainer_gives_every_forward_the_runs_row
     for rank in trained:
         run, replay = rank[case], rank[f"replay-{case}"]
         assert len(run["decisions"]) == STEPS and all(len(d["per_unit_s"]) == 2 for d in run["decisions"])
-        assert replay["forwards"] == run["forwards"] and len(run["forwards"]) > STEPS
+        assert replay["forwards"] == run["forwards"] and len(run["forwards"]) >= STEPS
         assert replay["params"] == run["params"] and replay["decisions"] == []
     assert any(rank[f"swapped-{case}"]["forwards"] != rank[case]["forwards"] for rank in trained)
+
+
+@pytest.mark.parametrize("case", RESUMED)
+def test_a_run_by_tokens_resumed_from_a_trainer_checkpoint_takes_the_runs_rows_and_ends_as_the_run(trained, case):
+    """train(resume_from_checkpoint=...) from the checkpoint after step 2 (the costs fitted by then are in it): on
+    each rank every forward of the last step gets the rows it got in the uninterrupted run, and the parameters end as
+    the run's. The split there follows the costs fitted in steps 0-1 (rank 1 is 20 ms a step slower)."""
+    for rank in trained:
+        run, resumed = rank[case], rank[f"resumed-{case}"]
+        last = [f for f in run["forwards"] if f[0] == SAVED]
+        assert last and resumed["forwards"] == last
+        assert max_diff(resumed["params"], [torch.tensor(p) for p in run["params"]]) < 1e-6
 
 
 def test_packed_without_the_document_mask_misses_the_union(trained, union):

@@ -9,12 +9,14 @@ accumulates a fixed count on every rank (gradient_accumulation_steps=2) is refus
 By tokens (issue 49), in the same launch: documents of 1-512 tokens split among the ranks by their lengths
 (Balance(collator=..., loss_mean="tokens")), padded and packed, whole steps and micro-batches of 2 rows, each loss
 through accelerator.backward: three steps equal plain SGD in one process on the unpacked union of each step's
-documents, every document of the epoch seen once.
+documents, every document of the epoch seen once. Replayed from its decisions (through JSON), a run by tokens gives
+every step the run's rows on every rank and ends with the run's parameters, deciding nothing.
 
 accelerate 1.15 keeps no FSDP plugin on CPU ranks (test_hf_fsdp.py): the FSDP2 case runs with the plugin kept after
 AcceleratorState's __init__, as there."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -73,14 +75,17 @@ TOKENS = {"tokens-padded": ("padded", 0), "tokens-packed": ("packed", 0), "token
 BUDGET = 6400
 
 
-def _by_tokens(accelerator: Accelerator, collator: str, m: int, budget: int | None = None) -> dict:
+def _by_tokens(accelerator: Accelerator, collator: str, m: int, budget: int | None = None,
+               record: list[dict] | None = None) -> dict:
     """An epoch of the own-loop recipe of docs/tokens.md through accelerate: each step's rows and the parameters
-    after it."""
+    after it, and the decisions made; with a record, bal.replay(record) of a run by tokens (through JSON)."""
     lengths, tokens, labels = tokenlm.corpus(TN)
     counted = [int((y != tokenlm.IGNORE).sum()) for y in labels]
     mean = "samples" if budget else "tokens"
     bal = hetero.Balance(global_batch=None if budget else TB, token_budget=budget, collator=collator, loss_mean=mean,
                          rebalance_every=1, micro_batch=m)
+    if record is not None:
+        bal.replay(json.loads(json.dumps(record)))
     model = tokenlm.PrefixLM()
     opt = torch.optim.SGD(model.parameters(), lr=TLR)
     model, opt = prepare(accelerator, bal, model, opt)
@@ -99,7 +104,16 @@ def _by_tokens(accelerator: Accelerator, collator: str, m: int, budget: int | No
                 opt.step()
                 opt.zero_grad()
                 params.append(torch.cat([p.detach().flatten() for p in model.parameters()]).tolist())
-    return {"rows": rows, "params": params}
+    return {"rows": rows, "params": params, "decisions": [dataclasses.asdict(d) for d in bal.decisions]}
+
+
+REPLAYED = ("tokens-padded", "tokens-packed")  # replayed from their decisions
+
+
+def _slowed(decisions: list[dict]) -> list[dict]:
+    """The record with rank 1's fitted cost per token tripled (the replay's negative control: the ranks here are
+    alike, so swapping their costs could leave the split as it was)."""
+    return [{**d, "per_unit_s": [d["per_unit_s"][0], 3 * d["per_unit_s"][1]]} for d in decisions]
 
 
 def _worker(rank: int, out: str) -> None:
@@ -113,6 +127,11 @@ def _worker(rank: int, out: str) -> None:
         result["fixed"] = str(e)
     for name, (collator, m) in TOKENS.items():  # before the FSDP2 cases: AcceleratorState keeps their plugin
         result[name] = _by_tokens(Accelerator(cpu=True), collator, m, BUDGET if name.startswith("budget") else None)
+    for name in REPLAYED:
+        collator, m = TOKENS[name]
+        run = result[name]["decisions"]
+        result[f"replay-{name}"] = _by_tokens(Accelerator(cpu=True), collator, m, record=run)
+        result[f"slowed-{name}"] = _by_tokens(Accelerator(cpu=True), collator, m, record=_slowed(run))
     for name, (scheme, factor, fsdp) in CASES.items():
         if fsdp:
             _fsdp_on_cpu()
@@ -170,3 +189,15 @@ def test_an_accelerate_loop_split_by_tokens_is_the_union_step(ranks, name):
         for got, ref in zip(r[name]["params"], want):
             assert max(abs(a - b) for a, b in zip(got, ref)) < 1e-9
     assert any(sorted(r0) != sorted(perm[ends[s]:ends[s] + len(r0)]) for s, r0 in enumerate(ranks[0][name]["rows"]))
+
+
+@pytest.mark.parametrize("name", REPLAYED)
+def test_a_replay_by_tokens_in_an_accelerate_loop_gives_each_step_the_runs_rows_and_decides_nothing(ranks, name):
+    """bal.replay(the run's decisions, through JSON) in the same Accelerate loop: on each rank every step gets the rows
+    it got in the run, the parameters end as the run's to the bit, and the replay makes no decision. The control: the
+    same record with rank 1's cost per token tripled gives other rows."""
+    for rank in ranks:
+        run, replay = rank[name], rank[f"replay-{name}"]
+        assert len(run["decisions"]) >= 2 and all(len(d["per_unit_s"]) == 2 for d in run["decisions"])
+        assert replay["rows"] == run["rows"] and replay["params"] == run["params"] and replay["decisions"] == []
+    assert any(rank[f"slowed-{name}"]["rows"] != rank[name]["rows"] for rank in ranks)

@@ -378,7 +378,9 @@ def test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_un
     """tests/scripts/ray_tokens.py (issue 49): two Ray Train workers split each step's documents by their tokens'
     fitted cost, padded and packed, with a token-mean loss; every step's rows are its window, every document of the
     epoch is seen once, and the parameters after each step equal one process on the unpacked union; under a token
-    budget (packed, a sample-mean loss) the steps are the permutation's runs of varying counts."""
+    budget (packed, a sample-mean loss) the steps are the permutation's runs of varying counts. The padded and packed
+    epochs replayed from their decisions (through JSON) give each step the run's rows on both workers and end with
+    the run's parameters, deciding nothing; the record with the workers' costs swapped gives other rows."""
     import numpy as np
 
     from hetero.core.sampler import EpochPlan
@@ -406,3 +408,9 @@ def test_a_ray_train_epoch_split_by_tokens_equals_one_process_on_the_unpacked_un
             assert len(r[collator]["params"]) == 3
             assert max(float(np.max(np.abs(np.asarray(g) - np.asarray(w))))
                        for g, w in zip(r[collator]["params"], want)) < 1e-9
+    for collator in ("padded", "packed"):  # bal.replay of the run: its rows and parameters, no decision made
+        for r in ranks:
+            run, replay = r[collator], r[f"replay-{collator}"]
+            assert len(run["decisions"]) >= 2
+            assert replay["rows"] == run["rows"] and replay["params"] == run["params"] and replay["decisions"] == []
+        assert any(r[f"swapped-{collator}"]["rows"] != r[collator]["rows"] for r in ranks)  # the costs swapped

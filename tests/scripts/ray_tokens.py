@@ -1,13 +1,15 @@
 """Ray Train split by tokens (issue 49): two CPU workers of a local Ray cluster (TorchTrainer, gloo) run an epoch of
 documents of 1-512 tokens with Balance(collator=..., loss_mean="tokens"), padded then packed, then packed under a
 token budget with a sample-mean loss (3 steps of 28, 21 and 23 documents), worker 1 delayed 20 ms a step so the
-fitted costs move the split. Each worker writes its rows and the parameters after each step
-(OUT/rank{r}.json); tests/integrations/test_ray.py compares them with one process on the unpacked union.
+fitted costs move the split. The padded and packed epochs are then replayed from their decisions (through JSON), and
+from them with the workers' costs swapped. Each worker writes its rows, the parameters after each step and the
+decisions made (OUT/rank{r}.json); tests/integrations/test_ray.py compares them with one process on the unpacked union.
 
     PYTHONPATH=tests/raystub:.:tests python tests/scripts/ray_tokens.py OUT_DIR
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -18,6 +20,7 @@ from ray.train.torch import TorchTrainer
 
 N, B, LR, BUDGET = 72, 24, 0.5, 6400  # 3 steps an epoch
 CASES = {"padded": ("padded", None), "packed": ("packed", None), "budget": ("packed", BUDGET)}  # collator, budget
+REPLAYED = ("padded", "packed")
 
 
 def train_fn(cfg: dict) -> None:
@@ -34,12 +37,14 @@ def train_fn(cfg: dict) -> None:
     rank = ray.train.get_context().get_world_rank()
     lengths, tokens, labels = tokenlm.corpus(N)
     counted = [int((y != tokenlm.IGNORE).sum()) for y in labels]
-    out = {}
-    for name, (collator, budget) in CASES.items():
+
+    def epoch(collator: str, budget: int | None, record: list[dict] | None = None) -> dict:
         mean = "samples" if budget else "tokens"
         bal = hetero.Balance(global_batch=None if budget else B, token_budget=budget, collator=collator,
                              loss_mean=mean, rebalance_every=1)
         bal.emulate("1:delay=0.02")
+        if record is not None:
+            bal.replay(json.loads(json.dumps(record)))  # as a run's decisions come back from a JSON file
         ddp = DDP(tokenlm.PrefixLM())
         bal.attach(ddp)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
@@ -53,7 +58,14 @@ def train_fn(cfg: dict) -> None:
                 opt.step()
                 opt.zero_grad()
             params.append(torch.cat([p.detach().flatten() for p in ddp.parameters()]).tolist())
-        out[name] = {"rows": rows, "params": params}
+        return {"rows": rows, "params": params, "decisions": [dataclasses.asdict(d) for d in bal.decisions]}
+
+    out = {name: epoch(*case) for name, case in CASES.items()}
+    for name in REPLAYED:  # the run replayed from its decisions, and from them with the ranks' costs swapped
+        run = out[name]["decisions"]
+        out[f"replay-{name}"] = epoch(*CASES[name], record=run)
+        out[f"swapped-{name}"] = epoch(*CASES[name], record=[
+            {**d, "fixed_s": d["fixed_s"][::-1], "per_unit_s": d["per_unit_s"][::-1]} for d in run])
     with open(os.path.join(cfg["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 

@@ -121,7 +121,7 @@ def _exact_run(tmp_path, *cases: str) -> subprocess.CompletedProcess:
 
 # strategy:mode[:broken]: every case that must train, each a fit of its own in one Lightning launch
 CASES = ["ddp:micro", "fsdp:micro", "fsdp:batch", "ddp:micro:double", "ddp:micro:remove", "ddp:micro:equal",
-         "ddp:tokens", "ddp:budget"]
+         "ddp:tokens", "ddp:budget", "ddp:decide", "ddp:decide:replay", "ddp:decide:swapped"]
 
 
 @pytest.fixture(scope="module")
@@ -253,6 +253,20 @@ def test_a_step_split_by_tokens_is_one_process_on_the_unpacked_union(exact):
     for r in ranks:
         got = [v for p in r["params"] for v in p]
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-9
+
+
+@pytest.mark.slow  # in the launch of CASES
+def test_a_replay_by_tokens_under_lightning_gives_each_batch_the_runs_rows_and_decides_nothing(exact):
+    """bal.replay(the decisions of a fit by tokens, through JSON) in a second fit under Lightning's launcher and the
+    BalanceCallback: on each rank every batch of the epoch's two steps is the run's, the parameters end as the run's
+    to the bit, and the replay makes no decision. The control: the record with the ranks' costs swapped (rank 1 was
+    the slower) gives other rows."""
+    run, replay, swapped = (exact[f"ddp:decide{b}"] for b in ("", ":replay", ":swapped"))
+    for r in range(2):
+        assert len(run[r]["decisions"]) >= 1 and len(run[r]["batches"]) == 2
+        assert replay[r]["batches"] == run[r]["batches"] and replay[r]["params"] == run[r]["params"]
+        assert replay[r]["decisions"] == []
+    assert any(swapped[r]["batches"] != run[r]["batches"] for r in range(2))
 
 
 @pytest.mark.slow  # in the launch of CASES

@@ -8,14 +8,17 @@ MODE: micro (micro_batch 4, replayed counts k = [1, 3], manual optimisation: eac
       batch (no micro_batch, replayed sizes [3, 13], automatic optimisation), or tokens (documents of 1-64 tokens,
       Balance(collator="padded", loss_mean="tokens"): each step split by the lengths, a token-mean loss, automatic
       optimisation; tests/tokenlm.py), or budget (the same documents, Balance(token_budget=BUDGET,
-      collator="padded"): steps of 7-10 documents, a sample-mean loss).
+      collator="padded"): steps of 7-10 documents, a sample-mean loss), or decide (tokens over the epoch's 2 steps,
+      rank 1 20 ms a step slower, a decision every step: its decisions are recorded).
 BREAK (negative controls): double (this rank's weight doubled), remove (scheme "sync": the mean of the ranks'
       means, no b_i/B weighting), equal (counts [2, 2] instead of [1, 3]), tp (ModelParallelStrategy with
-      tensor_parallel_size 2: refused in one line).
-Each rank writes the indices of every batch it trained on and the parameters after the step to
+      tensor_parallel_size 2: refused in one line); with decide, replay (bal.replay of the decisions of this launch's
+      decide case, through JSON) and swapped (the same with the ranks' fitted costs swapped).
+Each rank writes the indices of every batch it trained on, the parameters after the fit and its decisions to
 OUT.STRATEGY-MODE-BREAK.rankR.json (BREAK "ok" when none); a refusal is one line on stderr and exit status 2, and
 ends the launch.
 """
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -35,6 +38,7 @@ N, B, M, LR = 32, 16, 4, 0.5  # 2 steps per epoch of the global batch 16; one is
 BUDGET = 360  # the 1,095 tokens in 4 steps
 LENGTHS, TOKENS, LABELS = tokenlm.corpus(N, longest=64)
 COUNTED = np.array([int((y != tokenlm.IGNORE).sum()) for y in LABELS])
+RECORD: list[dict] = []  # the decisions of this launch's decide case, for its replay
 
 
 def net() -> torch.nn.Module:
@@ -86,7 +90,8 @@ class Module(L.LightningModule):
         params = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().tolist()
                   for p in self.net.parameters()]
         with open(f"{self.out}.rank{self.global_rank}.json", "w") as f:
-            json.dump({"batches": self.batches, "params": params}, f)
+            json.dump({"batches": self.batches, "params": params,
+                       "decisions": [dataclasses.asdict(d) for d in self.bal.decisions]}, f)
 
 
 class Tokens(Module):
@@ -101,6 +106,11 @@ class Tokens(Module):
         idx, docs = batch
         self.batches.append(idx)
         return tokenlm.loss(self.net, docs, "samples" if self.mode == "budget" else "tokens", len(idx))
+
+    def on_train_end(self):
+        super().on_train_end()
+        if self.mode == "decide" and not self.broken:
+            RECORD[:] = [dataclasses.asdict(d) for d in self.bal.decisions]
 
 
 class Micro(Module):
@@ -126,14 +136,21 @@ class Micro(Module):
 def fit(out: str, strategy: str, mode: str, broken: str) -> None:
     """One case: one optimizer step of a fit, recorded under OUT.STRATEGY-MODE-BREAK."""
     out = f"{out}.{strategy}-{mode}-{broken or 'ok'}"
-    micro, tokens = mode == "micro", mode in ("tokens", "budget")
+    micro, tokens, decide = mode == "micro", mode in ("tokens", "budget", "decide"), mode == "decide"
     sizes = [8, 8] if broken == "equal" else [M, B - M] if micro else [3, B - 3]
     by = {"collator": "padded", "loss_mean": "tokens"} if mode == "tokens" else \
-        {"collator": "padded", "token_budget": BUDGET, "global_batch": None} if mode == "budget" else {}
+        {"collator": "padded", "token_budget": BUDGET, "global_batch": None} if mode == "budget" else \
+        {"collator": "padded", "loss_mean": "tokens", "rebalance_every": 1} if decide else {}
     bal = hetero.Balance(**{"scheme": "sync" if broken == "remove" else "edp", "global_batch": B,
                             "micro_batch": M if micro else 0, **by})
     if not tokens:
         bal.replay({0: np.array([sizes] * (N // B))})
+    if decide:
+        bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
+        if broken:
+            record = RECORD if broken == "replay" else [
+                {**d, "fixed_s": d["fixed_s"][::-1], "per_unit_s": d["per_unit_s"][::-1]} for d in RECORD]
+            bal.replay(json.loads(json.dumps(record)))  # as a run's decisions come back from a JSON file
     if strategy == "fsdp":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -143,16 +160,17 @@ def fit(out: str, strategy: str, mode: str, broken: str) -> None:
         from lightning.pytorch.strategies import DDPStrategy
 
         strat = DDPStrategy(start_method="popen")
-    trainer = L.Trainer(max_steps=1, accelerator="cpu", devices=2, strategy=strat, use_distributed_sampler=False,
+    trainer = L.Trainer(max_steps=N // B if decide else 1, accelerator="cpu", devices=2, strategy=strat,
+                        use_distributed_sampler=False,
                         callbacks=[hetero.BalanceCallback(bal)], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     if tokens:
-        counted = COUNTED if mode == "tokens" else None
+        counted = None if mode == "budget" else COUNTED
         loader = DataLoader(range(N), batch_sampler=bal.batch_sampler(N, lengths=LENGTHS, loss_tokens=counted),
                             collate_fn=lambda idx: (idx, tokenlm.collate(idx, TOKENS, LABELS, "padded")))
     else:
         loader = DataLoader(Indexed(), batch_sampler=bal.batch_sampler(N))
-    kind = {"micro": Micro, "tokens": Tokens, "budget": Tokens}.get(mode, Module)
+    kind = {"micro": Micro, "tokens": Tokens, "budget": Tokens, "decide": Tokens}.get(mode, Module)
     trainer.fit(kind(bal, out, strategy, mode, broken), loader)
 
 

@@ -287,6 +287,7 @@ RESUMED = ["0:resume:sgd", "2:resume:adamw", "3:resume:sgd"]
 # micro-batches of 2 (ZeRO 1 and 3); case: the loss mean of the loop (its reference)
 TOKENS = {"0:tokens:sgd": "tokens", "3:tokmicro:sgd": "samples", "1:budget:sgd": "samples", "3:budget:sgd": "samples"}
 TOKENS_BROKEN = {"0:tokens:sgd:samples": "tokens"}  # sample weights where the loop's loss is a token mean
+DECIDED = ["0:decide:sgd", "0:decide:sgd:replay", "0:decide:sgd:swapped"]  # a run by tokens, its replay, the control
 
 
 def _torchrun(nproc: int, *args: str, script: str = SCRIPT):
@@ -300,7 +301,7 @@ def _torchrun(nproc: int, *args: str, script: str = SCRIPT):
 def runs(tmp_path_factory):
     """Every case's ranks and reference records: {case: (rank 0, rank 1, reference or None)}."""
     out = tmp_path_factory.mktemp("deepspeed") / "rec"
-    cases = EXACT + BROKEN + EQUAL + CLOCK + AT_ATTACH + RESUMED + BF16 + [*TOKENS, *TOKENS_BROKEN]
+    cases = EXACT + BROKEN + EQUAL + CLOCK + AT_ATTACH + RESUMED + BF16 + [*TOKENS, *TOKENS_BROKEN] + DECIDED
     p = _torchrun(2, out, *cases)
     assert p.returncode == 0, p.stderr[-6000:]
     trained = EXACT + BROKEN + EQUAL + CLOCK + RESUMED + BF16
@@ -576,3 +577,19 @@ def test_a_run_killed_after_a_mid_epoch_checkpoint_resumes_with_its_shares_and_c
         rows = [i for r in range(2) for part in (killed[r], resumed[r]) for g, idx in part.items()
                 if g // 10 == epoch and (part is resumed[r]) == (g >= saved) for i in idx]
         assert sorted(rows) == list(range(320)), epoch
+
+
+@pytest.mark.launch
+@needs_deepspeed
+@pytest.mark.slow
+def test_a_replay_by_tokens_on_a_deepspeed_engine_gives_each_step_the_runs_rows_and_decides_nothing(runs):
+    """bal.replay(the decisions of a run by tokens, through JSON) on a new DeepSpeed engine in the same launch: on
+    each rank every step gets the run's rows, the parameters after each step are the run's to the bit, and the
+    replay makes no decision. The control: the record with the ranks' costs swapped (rank 1 was the slower) gives
+    other rows."""
+    run, replay, swapped = (runs[case][:2] for case in DECIDED)
+    for r in range(2):
+        assert len(run[r]["decisions"]) >= 2 and len(run[r]["rows"]) == 3
+        assert replay[r]["rows"] == run[r]["rows"] and replay[r]["params"] == run[r]["params"]
+        assert replay[r]["decisions"] == []
+    assert any(swapped[r]["rows"] != run[r]["rows"] for r in range(2))

@@ -9,10 +9,13 @@ STAGE: ZeRO stage 0-3. MODE: micro (micro_batch 4, replayed counts k = [1, 3]), 
 clock (even sizes, rank 1 emulated 1 s slower a step) or resume (micro, and after two steps a DeepSpeed checkpoint
 with hetero's state in its client_state, loaded into a new engine and Balance that run the third), or split by
 tokens (tests/tokenlm.py's documents; each rank records its rows, and the test computes the reference in one process):
-tokens (padded, token mean), tokmicro (packed, micro-batches of 2, sample mean) or budget (a token budget, padded,
-micro-batches of 2, sample mean). OPT: sgd or adamw.
+tokens (padded, token mean), tokmicro (packed, micro-batches of 2, sample mean), budget (a token budget, padded,
+micro-batches of 2, sample mean) or decide (tokens, rank 1 emulated 20 ms a step slower, a decision every step: its
+decisions are recorded). OPT: sgd or adamw.
 BREAK (negative controls): double (rank 0's weight doubled), remove (scheme "sync": the mean of the ranks' means),
-equal (even counts [2, 2] in place of [1, 3]), samples (by tokens: sample weights, the loop's loss a token mean);
+equal (even counts [2, 2] in place of [1, 3]), samples (by tokens: sample weights, the loop's loss a token mean),
+replay and swapped (decide: bal.replay of the decisions of this launch's decide case through JSON, as they were or
+with the ranks' fitted costs swapped);
 other settings: bf16 (the config's bf16: on ZeRO 1-3 trained, on ZeRO-0 refused), sum (gradient_allreduce_op "sum":
 hetero's factor is 1), pair (the model returns the loss and the logits it came from, as a Hugging Face model does: the
 weight must reach the logits' gradient once). Refusals at attach are recorded as {"refused": line} and the launch goes
@@ -23,6 +26,7 @@ engine.backward(loss)); every refusal in a step is also tested in one process (t
 Each rank writes OUT.CASE.rankR.json (CASE with "-" for ":"): every step's sample indices, the parameters after the
 first and third steps (gathered under ZeRO-3), and every step's clock; the reference writes OUT.CASE.ref.json.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -143,7 +147,9 @@ def train(bal: hetero.Balance, engine, steps: list, after: dict, upto: int, brok
 # (or of a 6,400-token budget: 28, 21 and 23), the loop of tests/core/test_tokens.py with engine.backward/step
 TN, TB, BUDGET, TLR = 72, 24, 6400, 0.5
 TOKEN_MODES = {"tokens": ("padded", "tokens", 0), "tokmicro": ("packed", "samples", 2),  # collator, mean, micro
-               "budget": ("padded", "samples", 2)}  # and Balance(token_budget=BUDGET) in place of global_batch
+               "budget": ("padded", "samples", 2),  # and Balance(token_budget=BUDGET) in place of global_batch
+               "decide": ("padded", "tokens", 0)}  # and rank 1 slower, a decision every step
+RECORD: list[dict] = []  # the decisions of this launch's decide case, for its replay
 
 
 def run_tokens(stage: int, mode: str, broken: str) -> dict:
@@ -155,7 +161,14 @@ def run_tokens(stage: int, mode: str, broken: str) -> dict:
     budget, weighs = mode == "budget", "samples" if broken == "samples" else mean
     bal = hetero.Balance(global_batch=None if budget else TB, token_budget=BUDGET if budget else None,
                          collator=collator, loss_mean=weighs,
-                         micro_batch=m)  # the prior's split (equal cost), the same every run
+                         micro_batch=m,  # the prior's split (equal cost), the same every run, but decide's
+                         rebalance_every=1 if mode == "decide" else 0)
+    if mode == "decide":
+        bal.emulate("1:delay=0.02")  # rank 1 slower per step: the fitted costs move the split
+        if broken:
+            record = RECORD if broken == "replay" else [
+                {**d, "fixed_s": d["fixed_s"][::-1], "per_unit_s": d["per_unit_s"][::-1]} for d in RECORD]
+            bal.replay(json.loads(json.dumps(record)))  # as a run's decisions come back from a JSON file
     model = tokenlm.PrefixLM().float()  # DeepSpeed reduces no float64 gradient
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage, **PARTITIONED}, "zero_allow_untested_optimizer": True,
@@ -179,7 +192,10 @@ def run_tokens(stage: int, mode: str, broken: str) -> dict:
             engine.step()
         if bal.position.step > step:
             after.append(params(engine))
-    return {"rows": rows, "params": after, "micro_batches": forwards}
+    decisions = [dataclasses.asdict(d) for d in bal.decisions]
+    if mode == "decide" and not broken:
+        RECORD[:] = decisions
+    return {"rows": rows, "params": after, "micro_batches": forwards, "decisions": decisions}
 
 
 def run(out: str, case: str) -> None:

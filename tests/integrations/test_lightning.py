@@ -256,12 +256,23 @@ def test_a_step_split_by_tokens_is_one_process_on_the_unpacked_union(exact):
 
 
 @pytest.mark.slow  # in the launch of CASES
-def test_a_replay_by_tokens_under_lightning_gives_each_batch_the_runs_rows_and_decides_nothing(exact):
-    """bal.replay(the decisions of a fit by tokens, through JSON) in a second fit under Lightning's launcher and the
-    BalanceCallback: on each rank every batch of the epoch's two steps is the run's, the parameters end as the run's
-    to the bit, and the replay makes no decision. The control: the record with the ranks' costs swapped (rank 1 was
-    the slower) gives other rows."""
+def test_an_epoch_by_tokens_under_lightning_is_the_union_and_its_replay_gives_each_batch_the_runs_rows(exact):
+    """A fit by tokens over a whole epoch (two steps, rank 1 slower, a decision every step) covers every document
+    once and ends as one process on each step's unpacked union. bal.replay(its decisions, through JSON) in a second
+    fit under Lightning's launcher and the BalanceCallback: on each rank every batch of the epoch's two steps is the
+    run's, the parameters end as the run's to the bit, and the replay makes no decision. The control: the record
+    with the ranks' costs swapped (rank 1 was the slower) gives other rows."""
+    import tokenlm
+
+    mod = _script()
     run, replay, swapped = (exact[f"ddp:decide{b}"] for b in ("", ":replay", ":swapped"))
+    perm = EpochPlan(mod.N, mod.B, 0, 0).perm.tolist()
+    steps = [sorted(a + b) for a, b in zip(run[0]["batches"], run[1]["batches"])]  # one batch a rank a step
+    assert [sorted(perm[i * mod.B:(i + 1) * mod.B]) for i in range(2)] == steps  # each step its window: the epoch
+    assert [len(b) for b in run[1]["batches"]] != [mod.B // 2] * 2  # the decisions moved the split
+    want = tokenlm.reference(steps, mod.TOKENS, mod.LABELS, "tokens", mod.LR)[-1]  # after both steps
+    for r in run:
+        assert max(abs(a - b) for a, b in zip((v for p in r["params"] for v in p), want)) < 1e-9
     for r in range(2):
         assert len(run[r]["decisions"]) >= 1 and len(run[r]["batches"]) == 2
         assert replay[r]["batches"] == run[r]["batches"] and replay[r]["params"] == run[r]["params"]

@@ -17,6 +17,7 @@ class StepClock:
     On CUDA the marks are events on the current (compute) stream, read when the step is over. `event` makes such
     events (torch.cuda.Event; a test passes a fake to take the CUDA path on the CPU).
     """
+    __slots__ = ("cuda", "_event", "marks", "device_waits", "held_s", "cpu", "started")
 
     def __init__(self, device: torch.device, event: Callable[[], object] | None = None):
         self.cuda = event is not None or device.type == "cuda"

@@ -1,8 +1,8 @@
 """An accumulation loop that cannot silently diverge: the optimizer-step guard of an attached Balance.
 
-A global optimizer step pre-hook (torch.optim's register_optimizer_step_pre_hook, held weakly; it acts only on
-optimizers that step the attached model's parameters) refuses, on the rank that sees it, and posts the line on the
-process group's store so the other ranks, whose collectives then fail, raise the same line:
+A global optimizer step pre-hook (torch.optim's register_optimizer_step_pre_hook; it holds the engine weakly and acts
+only on optimizers that step the attached model's parameters) refuses, on the rank that sees it, and posts the line on
+the process group's store so the other ranks, whose collectives then fail, raise the same line:
 - an optimizer step on gradients not all-reduced: a backward ran under no_sync since the last all-reduce (a loop
   running fewer micro-batches than the schedule's);
 - in micro-batch mode, an optimizer step after more than one step of the schedule (a loop running more). A
@@ -35,19 +35,21 @@ class OptimizerGuard:
         self._params = {id(p) for p in model.parameters()}
         self._owns: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> steps the model?
         self._last: tuple = (None, False)  # the last optimizer asked about (weakly) and its answer: once a step
-        check = weakref.WeakMethod(self._before_step)
-        handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: (c := check()) and c(opt))
-        weakref.finalize(engine, _retired.append, handle)
+        # torch holds the guard itself (no lambda and weak method to call through on every step; issue 51): it holds
+        # the engine weakly, and goes at the next attach after the engine's collection
+        weakref.finalize(engine, _retired.append, register_optimizer_step_pre_hook(self))
 
-    def _before_step(self, opt: torch.optim.Optimizer) -> None:
+    def __call__(self, opt: torch.optim.Optimizer, args, kwargs) -> None:
+        """The optimizer step's pre-hook (torch's signature): the checks above, for this model's optimizers only."""
+        if (e := self._engine()) is None:  # a collected engine's guard, until the next attach removes it
+            return
         last, owns = self._last
         if last is None or last() is not opt:
             owns = self._owns.get(opt)
             if owns is None:
                 owns = self._owns[opt] = any(id(p) in self._params for g in opt.param_groups for p in g["params"])
             self._last = (weakref.ref(opt), owns)
-        e = self._engine()
-        if not owns or e is None:
+        if not owns:
             return
         link, p = e.link, e.plan
         if link.peer_failed:

@@ -54,6 +54,7 @@ class LossWeighting:
         self.factor = float(engine.plan.world)  # DDP's reducer divides the sum by the world: weight x n undoes it
         self.weighing = self.syncing = self.marked = False
         self.stray = 0  # backwards that reached the parameters outside bal.backward (refused at the next check)
+        self._seed: tuple = (None, None, None)  # (key, the backward's seed, its version): one per weight
         trainable = [p for p in model.parameters() if p.requires_grad]
         if not trainable:
             raise HeteroError("hetero: the model has no parameter that requires grad: nothing to weight")
@@ -76,6 +77,16 @@ class LossWeighting:
             refuse(f"hetero: a backward ran outside bal.backward(loss){where}: with weighting='loss' hetero weights "
                    f"the loss there, so call bal.backward(loss), not loss.backward() (or leave weighting='hook')")
 
+    def _seed_of(self, loss: torch.Tensor, k: float) -> torch.Tensor:
+        """The backward's seed, k in the loss's shape, dtype and device: made once per weight (a decision changes it),
+        not once per step (issue 51). A loss that is a leaf gets its own (its .grad could be the seed itself), and a
+        seed that a backward wrote into (a custom Function's in-place grad_output) is made afresh."""
+        key, (known, seed, version) = (k, loss.dtype, loss.device, loss.shape), self._seed
+        if known != key or seed._version != version or loss.grad_fn is None:
+            seed = torch.full_like(loss, k)
+            self._seed = (key, seed, seed._version)
+        return seed
+
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """The backward of loss x w_i x n (w_i read now: bal.set_weight may have replaced it), run from that weight
         as the loss's gradient (or `gradient` x it, for a loss that is not a scalar); a synced one (not under
@@ -92,7 +103,10 @@ class LossWeighting:
                    f"(the weight rounded): compute the loss in float32 (loss.float()), or leave weighting='hook'")
         # the backward from w_i x n (not from 1): no multiplication in the graph, the weight as the root's gradient
         k, grad = s.weight * self.factor, kwargs.pop("gradient", None) if kwargs else None
-        grad = torch.full_like(loss, k) if grad is None and loss.numel() == 1 else grad if grad is None else grad * k
+        if grad is None and loss.numel() == 1:
+            grad = self._seed_of(loss, k)
+        elif grad is not None:
+            grad = grad * k
         self.weighing, self.syncing, self.marked = True, sync, False
         try:
             loss.backward(grad, **kwargs)

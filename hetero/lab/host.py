@@ -4,7 +4,8 @@ adds, on a model small enough that the step is mostly host time (Linear(8, 8), 4
 Per door (DDP through `with bal.step()`, FSDP2 through `with bal.step()`), the same loop runs twice in the same
 processes, with hetero and without (plain DDP / plain FSDP2 over a DistributedSampler), taking turns step by step
 (which goes first alternates), so load from elsewhere falls on both alike. Each variant (hetero, hetero weighing the
-loss, torch's own Python comm hook) is its own such pair with a plain loop of its own: a loop's steps then have one
+loss, and each of those doors' floors: torch's own Python comm hook, and LossFloor, the loss door's torch mechanisms
+by hand) is its own such pair with a plain loop of its own: a loop's steps then have one
 other loop's step between them, as in a training loop that does other work between steps, not three. Each step is
 timed from fetching its batch to the optimizer's zero_grad, in wall time (perf_counter) and in the process's CPU time
 (process_time: every thread, gloo's and hetero's peer watcher included) and the main thread's own (thread_time:
@@ -57,9 +58,51 @@ LABELS = {"ddp": "DDP", "ddp_loss": "DDP, weighting='loss'", "fsdp": "FSDP2", "h
 # the loops per door, each variant in turn step by step with a plain loop of its own: hetero, and (DDP) torch's own
 # Python all-reduce comm hook, the floor of any comm hook written in Python (hetero's default weighting is one), and
 # hetero weighing the loss
-KINDS = {"ddp": ("plain", "torch_hook", "hetero", "hetero_loss"), "fsdp": ("plain", "hetero"),
+KINDS = {"ddp": ("plain", "torch_hook", "hetero", "hetero_loss", "loss_floor"), "fsdp": ("plain", "hetero"),
          "hf": ("plain", "hetero")}
+FLOORS = {"ddp": "torch_hook", "ddp_loss": "loss_floor"}  # each DDP door's floor: what any implementation pays
 PHASES = ("sampler", "begin", "ready", "hook", "guard", "end", "decision", "metrics", "collective", "backward")
+
+
+class LossFloor:
+    """The loss door's floor (issue 51): plain DDP with the torch mechanisms that door's checks stand on, written by
+    hand at their least. A forward pre-hook counts the step's forwards; a gradient hook on the first parameter marks
+    `ready`; the backward is seeded with the weight x world (one tensor, made once); the step reads the host's clock
+    and the process's CPU time at its start and end, and checks the count at its end. What hetero adds beyond it is
+    hetero's own Python: the schedule, the position, the refusals, the records."""
+
+    def __init__(self, model):
+        import torch
+
+        self.forwards, self.marks, self.records = 0, {}, []
+        self.seed = torch.tensor(1.0)  # w_i x world: plain's loader gives every rank an even share
+        model.register_forward_pre_hook(self._forward)
+        next(model.parameters()).register_hook(self._ready)
+
+    def _forward(self, module, args) -> None:
+        self.forwards += 1
+        if self.forwards > 1:
+            raise RuntimeError("a second forward in the step")
+
+    def _ready(self, grad) -> None:
+        self.marks["ready"] = time.perf_counter()
+
+    def step(self):
+        return self
+
+    def __enter__(self):
+        self.forwards, self.marks["start"], self.cpu = 0, time.perf_counter(), time.process_time()
+
+    def __exit__(self, *exc) -> bool:
+        end, cpu = time.perf_counter(), time.process_time()
+        if self.forwards != 1:
+            raise RuntimeError(f"{self.forwards} forwards in the step")
+        self.records.append((self.marks["ready"] - self.marks["start"], end - self.marks["returned"], cpu - self.cpu))
+        return False
+
+    def backward(self, loss) -> None:
+        loss.backward(self.seed)
+        self.marks["returned"] = time.perf_counter()
 
 
 class Phases:
@@ -114,7 +157,7 @@ def _instrument(phases: Phases):
     patch(torch.Tensor, "backward", "backward")
     patch(engine.Engine, "end", "end")
     patch(engine.Engine, "count_forward", "guard")
-    patch(guard.OptimizerGuard, "_before_step", "guard")
+    patch(guard.OptimizerGuard, "__call__", "guard")
     patch(plan.Plan, "_decide", "decision")
     patch(attach, "balance_hook", "hook")
     from ..core import fsdp
@@ -227,6 +270,9 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
         if kind == "torch_hook":  # torch's own Python all-reduce hook: what any Python comm hook costs
             m.register_comm_hook(None, default_hooks.allreduce_hook)
         backward = torch.Tensor.backward  # loss.backward()
+        if kind == "loss_floor":  # the loss door's floor: the plain loop's loader, the mechanisms by hand
+            bal = LossFloor(m)
+            backward = bal.backward
         if kind.startswith("hetero"):
             bal = Balance(global_batch=B, scheme="edp", rebalance_every=REBALANCE_EVERY, seed=seed,
                           weighting="loss" if kind == "hetero_loss" else "hook")
@@ -241,7 +287,7 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
 
     def start(lp, epoch):
         m, opt, bal, loader, _ = lp
-        if bal is not None:
+        if isinstance(bal, Balance):
             bal.set_epoch(epoch)
         else:
             loader.sampler.set_epoch(epoch)
@@ -298,10 +344,10 @@ def worker(out: Path, steps: int, seed: int = 0, hf_runs: int = 0, hf_steps: int
             finally:
                 undo()
             own = {"plain": paired[kind]["plain"], "hetero": paired[kind][kind]}  # each against its own plain
-            if kind == "hetero" and "torch_hook" in paired:
-                own["torch_hook"], own["plain_torch_hook"] = paired["torch_hook"]["torch_hook"], \
-                    paired["torch_hook"]["plain"]
-            res[door if kind == "hetero" else f"{door}_loss"] = {
+            name = door if kind == "hetero" else f"{door}_loss"
+            if (floor := FLOORS.get(name)) in paired:
+                own["floor"], own["plain_floor"] = paired[floor][floor], paired[floor]["plain"]
+            res[name] = {
                 **own, "phased": {"wall_s": wall_s, "cpu_s": cpu_s},
                 "phases_s": {p: v / steps for p, v in phases.total.items()}}
         dist.barrier()
@@ -320,8 +366,8 @@ def _added(d: dict, kind: str, base: str, clock: str) -> tuple[float, float]:
 
 def summary(d: dict) -> dict:
     """Per door: hetero's added host time per step (µs) in wall and CPU time, median and fastest decile, over plain
-    and (DDP) over torch's own Python comm hook; the mean added CPU time (decisions included); the phases' µs per
-    step."""
+    and (DDP's two doors) over the door's floor (FLOORS: torch's own Python comm hook; the loss door's mechanisms by
+    hand, LossFloor); the mean added CPU time (decisions included); the phases' µs per step."""
     out = {}
     for door in DOORS:
         if door not in d:
@@ -333,10 +379,12 @@ def summary(d: dict) -> dict:
             c = clock[:-2]
             row[f"plain_{c}_us"] = 1e6 * float(np.median(r["plain"][clock]))
             row[f"added_{c}_us"], row[f"added_{c}_p10_us"] = _added(r, "hetero", "plain", clock)
-            if "torch_hook" in r:  # against its own pair's plain loop (older files: the one round's)
-                row[f"hook_floor_{c}_us"], _ = _added(
-                    r, "torch_hook", "plain_torch_hook" if "plain_torch_hook" in r else "plain", clock)
-                row[f"beyond_hook_{c}_us"] = row[f"added_{c}_us"] - row[f"hook_floor_{c}_us"]
+            # the door's floor against its own pair's plain loop (older files: torch's hook, or the one round's)
+            floor = "floor" if "floor" in r else "torch_hook" if "torch_hook" in r else None
+            if floor is not None:
+                base = f"plain_{floor}" if f"plain_{floor}" in r else "plain"
+                row[f"floor_{c}_us"], _ = _added(r, floor, base, clock)
+                row[f"beyond_floor_{c}_us"] = row[f"added_{c}_us"] - row[f"floor_{c}_us"]
         row["added_cpu_mean_us"] = 1e6 * float(np.mean(r["hetero"]["cpu_s"]) - np.mean(r["plain"]["cpu_s"]))
         row["phases_us"] = {k: 1e6 * v for k, v in r["phases_s"].items()}
         out[door] = row
@@ -370,8 +418,8 @@ def figure(summ: dict, path: Path) -> Path | None:
                     ("added main-thread CPU (median)", row.get("added_main_us", 0.0), "navy"),
                     ("added wall (median)", row["added_wall_us"], "0.45"),
                     ("added CPU (mean)", row["added_cpu_mean_us"], "0.75")]
-        if "hook_floor_cpu_us" in row:
-            measured.append(("torch's Python hook, CPU", row["hook_floor_cpu_us"], "tab:cyan"))
+        if "floor_cpu_us" in row:
+            measured.append(("its floor, CPU (median)", row["floor_cpu_us"], "tab:cyan"))
         for j, (label, v, colour) in enumerate(measured):
             at = y - 0.2 - 0.2 * j  # a run's noise can make a difference negative: drawn to FLOOR_US, its value written
             ax.barh(at, max(v, FLOOR_US), height=0.18, color=colour, label=label if y == ys[0] else None)
@@ -403,12 +451,16 @@ def section(summ: dict) -> list[str]:
     f = lambda v: f"{v:+.0f}" if v is not None else ""  # noqa: E731
     lines += markdown_table(
         ["door", "plain step (wall / CPU)", "added wall, median", "added CPU, median", "added main-thread CPU, median",
-         "fastest decile (wall / CPU)", "added CPU, mean", "torch's Python hook (CPU)", "beyond it (CPU)"],
+         "fastest decile (wall / CPU)", "added CPU, mean", "its floor (CPU)", "beyond it (CPU)"],
         [[LABELS[d], f"{summ[d]['plain_wall_us']:.0f} / {summ[d]['plain_cpu_us']:.0f}", f(summ[d]["added_wall_us"]),
           f(summ[d]["added_cpu_us"]), f(summ[d].get("added_main_us")),
           f"{f(summ[d]['added_wall_p10_us'])} / {f(summ[d]['added_cpu_p10_us'])}",
-          f(summ[d]["added_cpu_mean_us"]), f(summ[d].get("hook_floor_cpu_us")),
-          f(summ[d].get("beyond_hook_cpu_us"))] for d in doors]) + [""]
+          f(summ[d]["added_cpu_mean_us"]), f(summ[d].get("floor_cpu_us")),
+          f(summ[d].get("beyond_floor_cpu_us"))] for d in doors]) + [""]
+    lines += ["Its floor: what any implementation of the door pays over plain DDP, measured in its own pair (the comm "
+              "hook's: torch's own Python all-reduce hook; the loss door's: a forward pre-hook counting, a gradient "
+              "hook marking, a seeded backward and a step clock, by hand, LossFloor). Beyond it: hetero's own "
+              "Python.", ""]
     lines += ["By phase (main thread, µs per step; decisions every "
               f"{REBALANCE_EVERY} steps, per step; metrics: one bal.metrics() call, not in the step):", ""]
     lines += markdown_table(["door", *PHASES], [[LABELS[d], *(f"{summ[d]['phases_us'].get(p, 0.0):.1f}"

@@ -498,6 +498,41 @@ def test_a_step_weights_its_gradient_by_its_share(monkeypatch):
     assert r.engine.running().weight == M / B
 
 
+
+class _Scaled(torch.autograd.Function):
+    """A custom Function whose backward writes into its grad_output (against autograd's contract, but it runs)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.mul_(10.0)
+
+
+def test_the_loss_doors_seed_is_made_once_per_weight_and_never_carries_a_write(monkeypatch):
+    """weighting="loss" seeds the backward with w_i x world, made once per weight (issue 51), not per step. A
+    backward that wrote into the seed, or a loss that is a leaf, must not carry into the next step: every step's
+    gradient is its own weight's (a seed reused after the write would give 10x, then 100x)."""
+    r = _rig(monkeypatch, {"weighting": "loss", "scheme": "edp"}, rank=1)
+    r.bal.set_epoch(0)
+    door = r.engine.link.loss
+    seeds = []
+    for step in range(4):
+        r.bal.begin_step()
+        w = r.engine.running().weight
+        x = r.model(torch.ones(3, 4)).sum()
+        r.bal.backward(_Scaled.apply(x) if step in (1, 2) else x)
+        seeds.append(door._seed[1])
+        assert torch.allclose(r.model.lin.bias.grad, torch.tensor([3.0 * w * 2 * (10 if step in (1, 2) else 1)]))
+        r.opt_step()
+        r.bal.end_step()
+    assert seeds[0] is seeds[1]  # the same weight: the same seed, until a backward wrote into it
+    assert seeds[2] is not seeds[1] and seeds[3] is not seeds[2]  # written into at steps 1 and 2: made afresh
+    leaf = torch.tensor(2.0, requires_grad=True)  # a loss that is a leaf: its .grad could be the seed itself
+    assert door._seed_of(leaf, 0.5) is not door._seed_of(leaf, 0.5)
+
 # -- the table covers every refusal ----------------------------------------------------------------------------------
 CORE = Path(hetero.__file__).parent / "core"
 RAISERS = {"HeteroError", "_stop", "refuse", "ValueError"}

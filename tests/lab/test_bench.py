@@ -213,8 +213,8 @@ def test_the_target_band_is_the_sizes_within_the_misallocation_target_and_the_dr
 
 def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
     """The host part's summary from constructed per-step times: hetero less plain at the median and the fastest
-    decile, in wall, CPU and main-thread CPU time; torch's own Python hook as the floor, against its own pair's plain
-    loop; the mean over every step (a
+    decile, in wall, CPU and main-thread CPU time; each DDP door's floor (torch's own Python hook; the loss door's
+    mechanisms by hand), against its own pair's plain loop; the mean over every step (a
     decision's steps included); the phases per step; the loss-weighting row against plain DDP. Its table and figure
     are written from that summary."""
     from hetero.lab import host
@@ -231,17 +231,20 @@ def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
                    "plain_torch_hook": {k: (v + 7e-6).tolist() for k, v in plain.items()},
                    "hetero": {k: v.tolist() for k, v in het.items()}, "phases_s": phases},
            "ddp_loss": {"plain": {k: v.tolist() for k, v in plain.items()},
+                        "floor": {k: (v + 25e-6).tolist() for k, v in plain.items()},  # its own plain: the same
+                        "plain_floor": {k: v.tolist() for k, v in plain.items()},
                         "hetero": {k: (v + 90e-6).tolist() for k, v in plain.items()}, "phases_s": phases},
            "fsdp": {"plain": {k: v.tolist() for k, v in plain.items()},
                     "hetero": {k: (v + 40e-6).tolist() for k, v in plain.items()}, "phases_s": phases}}
     s = host.summary(raw)
     ddp, fsdp, loss = s["ddp"], s["fsdp"], s["ddp_loss"]
-    assert loss["added_main_us"] == pytest.approx(90) and "hook_floor_cpu_us" not in loss
+    assert loss["added_main_us"] == pytest.approx(90) and loss["floor_main_us"] == pytest.approx(25)
+    assert loss["beyond_floor_cpu_us"] == pytest.approx(65)
     assert ddp["added_wall_us"] == pytest.approx(150) and ddp["added_wall_p10_us"] == pytest.approx(150)
     assert ddp["added_cpu_us"] == pytest.approx(150, abs=10)  # the decisions' tenth of the steps shifts it a little
     assert ddp["added_cpu_mean_us"] == pytest.approx(250)
-    assert ddp["hook_floor_cpu_us"] == pytest.approx(60) and ddp["beyond_hook_wall_us"] == pytest.approx(90)
-    assert fsdp["added_cpu_us"] == pytest.approx(40) and "hook_floor_cpu_us" not in fsdp
+    assert ddp["floor_cpu_us"] == pytest.approx(60) and ddp["beyond_floor_wall_us"] == pytest.approx(90)
+    assert fsdp["added_cpu_us"] == pytest.approx(40) and "floor_cpu_us" not in fsdp
     assert ddp["phases_us"]["hook"] == pytest.approx(1.0)
     text = "\n".join(host.section({**s, "steps": 100}))
     assert "| DDP | 1050 / 850 | +150 |" in text and "| FSDP2 |" in text and "| DDP, weighting='loss' |" in text
@@ -376,7 +379,8 @@ def test_bench_quickest(tmp_path):
         assert math.isfinite(hs["hf"]["added_cpu_us"]) and hs["hf"]["phases_us"]["begin"] > 0
     assert all(math.isfinite(hs[d][k]) for d in ("ddp", "ddp_loss", "fsdp")
                for k in ("added_cpu_us", "added_main_us", "added_wall_p10_us", "plain_cpu_us", "added_cpu_mean_us"))
-    assert math.isfinite(hs["ddp"]["hook_floor_cpu_us"]) and hs["ddp"]["plain_cpu_us"] > 0
+    assert math.isfinite(hs["ddp"]["floor_cpu_us"]) and hs["ddp"]["plain_cpu_us"] > 0
+    assert math.isfinite(hs["ddp_loss"]["floor_cpu_us"])  # the loss door's floor ran in its own pair
     ph = hs["ddp"]["phases_us"]
     assert ph["begin"] > 0 and ph["hook"] > 0 and ph["end"] > 0 and ph["sampler"] > 0 and ph["metrics"] > 0
     assert hs["fsdp"]["phases_us"]["collective"] > 0 and (out / "host_breakdown.png").stat().st_size > 0

@@ -408,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overhead-epochs", type=int)
     p.add_argument("--micro-batch", type=int, help="the trainer's --micro-batch in the balance part (0: off)")
     p.add_argument("--hf-runs", type=int, help="HF Trainer runs of each kind (the hf part)")
-    p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run")
+    p.add_argument("--hf-steps", type=int, help="optimizer steps per HF Trainer run of the hf part (the host part's "
+                   "HF runs take --host-steps / 10)")
     p.add_argument("--tokens-runs", type=int, help="runs of each column of the tokens part (variable lengths)")
     p.add_argument("--tokens-steps", type=int, help="optimizer steps per run of the tokens part")
     p.add_argument("--max-workers", type=int, help="largest balancer size (powers of two from 2)")

@@ -311,7 +311,7 @@ class Balance:
     # -- what a user reads -----------------------------------------------------------------------------------
     def sizes_at(self, epoch: int, step: int) -> np.ndarray:
         """Every rank's batch size in samples at this step (sum = global batch); the same on every rank, and fixed
-        once asked for."""
+        once asked for (read-only: the steps of one decision share one array)."""
         return self.engine.plan.schedule.sizes_at(epoch, step)
 
     @property

@@ -17,7 +17,7 @@ class StepClock:
     On CUDA the marks are events on the current (compute) stream, read when the step is over. `event` makes such
     events (torch.cuda.Event; a test passes a fake to take the CUDA path on the CPU).
     """
-    __slots__ = ("cuda", "_event", "marks", "device_waits", "held_s", "cpu", "started")
+    __slots__ = ("cuda", "_event", "marks", "device_waits", "held_s", "cpu_start", "cpu_end", "started")
 
     def __init__(self, device: torch.device, event: Callable[[], object] | None = None):
         self.cuda = event is not None or device.type == "cuda"
@@ -25,7 +25,7 @@ class StepClock:
         self.marks: dict[str, float | torch.cuda.Event] = {}
         self.device_waits = 0  # wait_device calls: the host waited for this rank's queued GPU work
         self.held_s = 0.0  # s in collectives before `ready` (FSDP2's per-module ones): waiting, moved out of compute
-        self.cpu: dict[str, float] = {}  # this process's CPU time (all its threads) at start and end
+        self.cpu_start = self.cpu_end = _NAN  # this process's CPU time (all its threads) at start and end
         self.started = _NAN
 
     def _record(self):
@@ -35,9 +35,10 @@ class StepClock:
 
     def mark(self, name: str) -> None:
         self.marks[name] = self._record() if self.cuda else time.perf_counter()
-        if name in ("start", "end"):
-            self.cpu[name] = time.process_time()
-        if name == "start":
+        if name == "end":
+            self.cpu_end = time.process_time()
+        elif name == "start":
+            self.cpu_start = time.process_time()
             self.started = time.perf_counter()  # the host's clock at the start, for the pace of steps
 
     def start(self) -> None:
@@ -47,12 +48,12 @@ class StepClock:
             self.mark("start")
             return
         self.started = self.marks["start"] = time.perf_counter()
-        self.cpu["start"] = time.process_time()
+        self.cpu_start = time.process_time()
 
     def cpu_s(self) -> float:
         """CPU seconds this process spent from start to end, every thread (the all-reduce's too): what a CFS quota
         charges for the step; NaN before the end."""
-        return self.cpu["end"] - self.cpu["start"] if "end" in self.cpu and "start" in self.cpu else float("nan")
+        return self.cpu_end - self.cpu_start  # NaN while either is
 
     def wait_device(self):
         """Block the host until the GPU work queued so far on the compute stream is done; returns that event (None

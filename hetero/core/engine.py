@@ -94,6 +94,7 @@ class Engine:
         self._emulator, self._hetero = emulator, hetero
         self._drawn: int | None = None  # the epoch the emulator's draws follow (set at a step's begin)
         self._step: Step | None = None  # the step running now
+        self._share: tuple = (None, 0, 0.0)  # (a regime's read-only sizes, k, weight): begin's, once per regime
 
     # -- set-up and epochs -----------------------------------------------------------------------------------
     def connect(self, model: torch.nn.Module, fsdp=None, ds=None) -> None:
@@ -187,20 +188,14 @@ class Engine:
                       f"DataLoader batch_sampler=bal.batch_sampler(len(ds)) (a loop cutting its own batches begins "
                       f"each step with bal.begin_step(), which returns the sizes)")
             sizes = sched.sizes_at(epoch, index)
-        b, m = int(sizes[rank]), s.micro_batch
-        if m and s.by_tokens:  # by tokens a rank's rows are cut by count and max_tokens (schedule.micro_at)
-            b = len(sched.micro_at(epoch, index)[rank]) * m
-        if m and (b % m or not b):
-            _stop(f"hetero: step {index} gives rank {rank} {b} samples, not whole micro-batches of {m} (a replay "
-                  f"recorded with another micro_batch?)")
-        k = b // m if m else 1
-        # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
-        work = None
-        if not s.by_tokens:
-            weight = (m or b) / s.global_batch if s.weighted else 1.0 / (p.world * k)
-        else:  # each rank's rows cost what their lengths say; a token-mean loss weighs n_i / N; with micro-batches
-            # each one's loss divides by this rank's count for the step (docs/tokens.md), so the rank's share weighs
-            # their sum; the sizes sum to the step's window (global_batch, or a token budget's)
+        work, (held, k, weight) = None, self._share
+        if held is not sizes:  # a regime's read-only sizes, the same step after step: checked once (issue 51)
+            k, weight = self._count(sizes, epoch, index)
+            if not s.by_tokens and not sizes.flags.writeable and sizes.base is None:
+                self._share = (sizes, k, weight)
+        if s.by_tokens:  # each rank's rows cost what their lengths say; a token-mean loss weighs n_i / N; with
+            # micro-batches each one's loss divides by this rank's count for the step (docs/tokens.md), so the rank's
+            # share weighs their sum; the sizes sum to the step's window (global_batch, or a token budget's)
             work, counted = sched.work_at(epoch, index)
             weight = int(sizes[rank]) / int(sizes.sum())
             if s.loss_mean == "tokens":
@@ -218,6 +213,21 @@ class Engine:
         self._step = Step(epoch, index, sizes, rank, weight, k, link.device, work)
         link.sync_now = k <= 1
         return sizes
+
+    def _count(self, sizes: np.ndarray, epoch: int, index: int) -> tuple[int, float]:
+        """This rank's micro-batches in a step of these sizes, and its gradient weight (by tokens, begin's)."""
+        p, s = self.plan, self.plan.settings
+        b, m, rank = int(sizes[p.rank]), s.micro_batch, p.rank
+        if m and s.by_tokens:  # by tokens a rank's rows are cut by count and max_tokens (schedule.micro_at)
+            b = len(p.schedule.micro_at(epoch, index)[rank]) * m
+        if m and (b % m or not b):
+            _stop(f"hetero: step {index} gives rank {rank} {b} samples, not whole micro-batches of {m} (a replay "
+                  f"recorded with another micro_batch?)")
+        k = b // m if m else 1
+        # k micro-batches, each a mean over m: weight m/B makes their accumulated sum the global-batch mean gradient
+        if s.by_tokens:
+            return k, 0.0  # begin weighs by the step's tokens or samples
+        return k, (m or b) / s.global_batch if s.weighted else 1.0 / (p.world * k)
 
     def _cleared(self) -> None:
         link = self.link  # FSDP2 may swap the registered parameters (sharded, unsharded): read them afresh there

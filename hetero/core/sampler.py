@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
 from .plan import Plan
@@ -28,15 +29,22 @@ class EpochPlan:
         # per-step slices are then device tensors, and no step waits for a host-to-device copy of its indices
         self.perm = permutation(n_samples, seed, epoch).to(device)
         self._listed: list[int] | None = None  # perm as a list, for the sampler (index_list)
+        self._cached: tuple = (None, None, 0, 0)  # (read-only sizes, rank, offset in the window, length): _cut
 
     def _cut(self, step: int, sizes, rank: int) -> tuple[int, int]:
-        """Where `rank`'s slice of `step` starts in the permutation, and its length."""
+        """Where `rank`'s slice of `step` starts in the permutation, and its length. A regime's read-only sizes
+        (schedule._fixed), the same object step after step, are checked and summed once (issue 51)."""
         if not 0 <= step < self.steps:
             raise IndexError(f"step {step} outside 0..{self.steps - 1}")
-        sizes = [int(b) for b in sizes]
-        if sum(sizes) != self.global_batch:
-            raise ValueError(f"batch sizes {sizes} do not sum to the global batch {self.global_batch}")
-        return step * self.global_batch + sum(sizes[:rank]), sizes[rank]
+        held, at, offset, n = self._cached
+        if held is not sizes or at != rank:
+            ints = [int(b) for b in sizes]
+            if sum(ints) != self.global_batch:
+                raise ValueError(f"batch sizes {ints} do not sum to the global batch {self.global_batch}")
+            offset, n = sum(ints[:rank]), ints[rank]
+            if isinstance(sizes, np.ndarray) and not sizes.flags.writeable and sizes.base is None:
+                self._cached = (sizes, rank, offset, n)
+        return step * self.global_batch + offset, n
 
     def indices(self, step: int, sizes, rank: int) -> torch.Tensor:
         """Sample indices of `rank` at `step`, given every rank's batch size for that step (sizes sum to B)."""
@@ -104,7 +112,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 yield from (b.tolist() for b in sched.micro_at(epoch, step)[p.rank])
                 continue
             idx = sched.rows_at(epoch, step)[p.rank].tolist() if sched.cost is not None else \
-                plan.index_list(step, sched.sizes_at(epoch, step).tolist(), p.rank)
+                plan.index_list(step, sched.sizes_at(epoch, step), p.rank)
             if not m:
                 yield idx
                 continue

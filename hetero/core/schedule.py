@@ -114,6 +114,7 @@ class SizeSchedule:
         self._balancer, self._live = balancer, costs if costs is not None else balancer
         self.regimes: list[tuple[int, Balancer | CostModel]] = [(FAR, copy.deepcopy(self._live))]
         self.planned: dict[int, np.ndarray] = {}  # position -> every rank's sizes, fixed when handed out
+        self._frozen: dict[int, tuple] = {}  # id(a regime's sizes) -> (them, as one read-only array): _fixed
         self.rows: dict[int, list[np.ndarray]] = {}  # by tokens: position -> every rank's sample indices
         self.micro: dict[int, list[list[np.ndarray]]] = {}  # ... and with micro_batch, each rank's micro-batches
         self.handed = FAR       # the next position this rank's sampler hands out
@@ -127,21 +128,38 @@ class SizeSchedule:
 
     def sizes_at(self, epoch: int, step: int) -> np.ndarray:
         """Every rank's sizes at (epoch, step), the same on every rank; fixed from now on."""
-        pos = self.index(epoch, step)
-        if pos not in self.planned:
-            if isinstance(self.replayed, dict):
-                self.planned[pos] = replay.sizes(self.replayed, epoch, step)
-            else:  # the regime in force at pos; affine's first epoch probes two sizes (Balancer.sizes_for_step)
-                regime = next(b for start, b in reversed(self._regimes()) if start <= pos)
-                if self.cost is not None:
-                    self.rows[pos] = self._split(regime, epoch, step)
-                    self.planned[pos] = np.array([len(r) for r in self.rows[pos]], np.int64)
-                    if self.settings.micro_batch:
-                        self.micro[pos] = [self._cut(r, rank) for rank, r in enumerate(self.rows[pos])]
-                else:
-                    self.planned[pos] = np.array(regime.sizes_for_step(step), np.int64)
-            self.handed = max(self.handed, pos + 1)
+        pos = epoch * (self.steps_per_epoch or ENDLESS) + step  # self.index, inline: on every step's path
+        if (sizes := self.planned.get(pos)) is not None:
+            return sizes
+        if isinstance(self.replayed, dict):
+            self.planned[pos] = replay.sizes(self.replayed, epoch, step)
+        else:  # the regime in force at pos; affine's first epoch probes two sizes (Balancer.sizes_for_step)
+            regimes = self._regimes()
+            start, regime = regimes[-1]  # the latest, mostly
+            if start > pos:
+                regime = next(b for start, b in reversed(regimes) if start <= pos)
+            if self.cost is not None:
+                self.rows[pos] = self._split(regime, epoch, step)
+                self.planned[pos] = np.array([len(r) for r in self.rows[pos]], np.int64)
+                if self.settings.micro_batch:
+                    self.micro[pos] = [self._cut(r, rank) for rank, r in enumerate(self.rows[pos])]
+            else:
+                self.planned[pos] = self._fixed(regime.sizes_for_step(step))
+        self.handed = max(self.handed, pos + 1)
         return self.planned[pos]
+
+    def _fixed(self, raw) -> np.ndarray:
+        """A regime's sizes as one read-only int64 array, made once per regime (and per probe size), not per step
+        (issue 51): its steps share it, and no holder can write into another step's sizes. A regime's sizes are its
+        own and rebound, never written into (Balancer.snapshot), so the array made from them stays theirs."""
+        held = self._frozen.get(id(raw))
+        if held is None or held[0] is not raw:
+            if len(self._frozen) > 8:  # the regimes still in use hold a few each
+                self._frozen.clear()
+            sizes = np.array(raw, np.int64)
+            sizes.flags.writeable = False
+            self._frozen[id(raw)] = held = (raw, sizes)
+        return held[1]
 
     def _regimes(self) -> list[tuple[int, Balancer | CostModel]]:
         """The regimes in force: the decisions', or a replay by tokens' recorded ones after the prior (no decision

@@ -226,6 +226,36 @@ def test_affine_probes_two_sizes_in_its_first_window_then_decides(monkeypatch):
     assert len(bal.decisions) == 1 and bal.decisions[0].effective == 1 * 10 + 3 + 1
 
 
+def test_a_regimes_steps_share_one_read_only_array_and_each_decision_cuts_its_own(monkeypatch):
+    """Issue 51: a regime's sizes are made, checked and summed once, not every step. Its steps share one read-only
+    array (no holder can write into another step's sizes), a decision's regime gets its own, and the sampler's
+    slices and the step's weight follow each regime exactly as a cut from a fresh list of the sizes would."""
+    bal = _balance(monkeypatch, 0, global_batch=40, scheme="edp", rebalance_every=5)
+    sampler = bal.batch_sampler(400)
+
+    def fake_gather(row, device):  # rank 1 three times slower per sample: the decision moves samples to rank 0
+        sizes, tail = _window_sizes(bal, row), row[-4:]
+        t0, t1 = 1e-3 * sizes[:, 0], 3e-3 * sizes[:, 1]
+        return torch.stack([torch.cat([t0, t0, tail]), torch.cat([t1, t1, tail])])
+    monkeypatch.setattr(hetero.core.plan, "gather_rows", fake_gather)
+    bal.set_epoch(0)
+    cut, held = sampler.plan(0), []
+    for step, batch in enumerate(sampler):
+        with bal.step(batch_size=len(batch)):
+            sizes = bal.sizes_at(0, step)
+            assert bal.engine.running().weight == sizes[0] / 40
+            assert batch == cut.indices(step, [int(b) for b in sizes], 0).tolist()  # no memo: a fresh list
+            held.append(sizes)
+    assert all(a is held[0] for a in held[:5]) and all(a is held[5] for a in held[5:10])
+    assert held[5] is not held[0] and held[5][0] > held[0][0] == 20  # the decision's regime, its own array
+    with pytest.raises(ValueError, match="read-only"):
+        held[0][0] += 1
+    plan, writable = EpochPlan(400, 40, seed=0, epoch=0), np.array([20, 20])  # negative control: a writable array
+    assert len(plan.index_list(0, writable, 0)) == 20                    # is cut afresh each time, never memoised
+    writable[:] = [30, 10]
+    assert plan.index_list(0, writable, 0) == plan.perm[:30].tolist()
+
+
 def test_a_rank_sitting_out_has_weight_zero_and_no_delay(monkeypatch):
     bal = _balance(monkeypatch, 1, global_batch=8, scheme="affine", sit_out=True, emulate="1:delay=5",
                    replay={0: np.array([[8, 0], [4, 4]])})

@@ -364,11 +364,23 @@ def _added(d: dict, kind: str, base: str, clock: str) -> tuple[float, float]:
     return 1e6 * float(np.median(h) - np.median(p)), 1e6 * float(np.percentile(h, 10) - np.percentile(p, 10))
 
 
+def _between(d: dict, every: int) -> float:
+    """The added CPU time's median (µs) over the steps between decisions: neither a deciding step (the last of each
+    `every`) nor the one after it, which a pause of any kind on this host slows too (docs/benchmarks.md#host); the
+    same steps of the plain loop, its neighbours in turn. At the default cadence, a decision at each epoch's end,
+    nearly every step is such a step."""
+    h, p = np.array(d["hetero"]["cpu_s"]), np.array(d["plain"]["cpu_s"])
+    i = np.arange(min(len(h), len(p)))
+    keep = (i % every != every - 1) & (i % every != 0)
+    return 1e6 * float(np.median(h[i][keep]) - np.median(p[i][keep]))
+
+
 def summary(d: dict) -> dict:
     """Per door: hetero's added host time per step (µs) in wall and CPU time, median and fastest decile, over plain
     and (DDP's two doors) over the door's floor (FLOORS: torch's own Python comm hook; the loss door's mechanisms by
-    hand, LossFloor); the mean added CPU time (decisions included); the phases' µs per step."""
-    out = {}
+    hand, LossFloor); the median CPU between decisions (_between); the mean added CPU time (decisions included);
+    the phases' µs per step."""
+    out, every = {}, d.get("rebalance_every", REBALANCE_EVERY)
     for door in DOORS:
         if door not in d:
             continue
@@ -386,6 +398,8 @@ def summary(d: dict) -> dict:
                 row[f"floor_{c}_us"], _ = _added(r, floor, base, clock)
                 row[f"beyond_floor_{c}_us"] = row[f"added_{c}_us"] - row[f"floor_{c}_us"]
         row["added_cpu_mean_us"] = 1e6 * float(np.mean(r["hetero"]["cpu_s"]) - np.mean(r["plain"]["cpu_s"]))
+        if door != "hf":  # the Trainer's runs decide at their own cadence
+            row["added_cpu_between_us"] = _between(r, every)
         row["phases_us"] = {k: 1e6 * v for k, v in r["phases_s"].items()}
         out[door] = row
     return out
@@ -416,6 +430,7 @@ def figure(summ: dict, path: Path) -> Path | None:
         row = summ[door]
         measured = [("added CPU (median)", row["added_cpu_us"], "k"),
                     ("added main-thread CPU (median)", row.get("added_main_us", 0.0), "navy"),
+                    ("added CPU (median between decisions)", row.get("added_cpu_between_us", 0.0), "tab:olive"),
                     ("added wall (median)", row["added_wall_us"], "0.45"),
                     ("added CPU (mean)", row["added_cpu_mean_us"], "0.75")]
         if "floor_cpu_us" in row:
@@ -451,16 +466,18 @@ def section(summ: dict) -> list[str]:
     f = lambda v: f"{v:+.0f}" if v is not None else ""  # noqa: E731
     lines += markdown_table(
         ["door", "plain step (wall / CPU)", "added wall, median", "added CPU, median", "added main-thread CPU, median",
-         "fastest decile (wall / CPU)", "added CPU, mean", "its floor (CPU)", "beyond it (CPU)"],
+         "added CPU, median between decisions", "fastest decile (wall / CPU)", "added CPU, mean", "its floor (CPU)",
+         "beyond it (CPU)"],
         [[LABELS[d], f"{summ[d]['plain_wall_us']:.0f} / {summ[d]['plain_cpu_us']:.0f}", f(summ[d]["added_wall_us"]),
-          f(summ[d]["added_cpu_us"]), f(summ[d].get("added_main_us")),
+          f(summ[d]["added_cpu_us"]), f(summ[d].get("added_main_us")), f(summ[d].get("added_cpu_between_us")),
           f"{f(summ[d]['added_wall_p10_us'])} / {f(summ[d]['added_cpu_p10_us'])}",
           f(summ[d]["added_cpu_mean_us"]), f(summ[d].get("floor_cpu_us")),
           f(summ[d].get("beyond_floor_cpu_us"))] for d in doors]) + [""]
     lines += ["Its floor: what any implementation of the door pays over plain DDP, measured in its own pair (the comm "
               "hook's: torch's own Python all-reduce hook; the loss door's: a forward pre-hook counting, a gradient "
               "hook marking, a seeded backward and a step clock, by hand, LossFloor). Beyond it: hetero's own "
-              "Python.", ""]
+              "Python. Between decisions: the median over the steps that neither decide nor follow a decision "
+              f"(one in {REBALANCE_EVERY} decides here; by default only each epoch's last step does).", ""]
     lines += ["By phase (main thread, µs per step; decisions every "
               f"{REBALANCE_EVERY} steps, per step; metrics: one bal.metrics() call, not in the step):", ""]
     lines += markdown_table(["door", *PHASES], [[LABELS[d], *(f"{summ[d]['phases_us'].get(p, 0.0):.1f}"

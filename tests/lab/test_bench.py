@@ -243,11 +243,14 @@ def test_host_part_reports_medians_deciles_the_hook_floor_and_phases(tmp_path):
     assert ddp["added_wall_us"] == pytest.approx(150) and ddp["added_wall_p10_us"] == pytest.approx(150)
     assert ddp["added_cpu_us"] == pytest.approx(150, abs=10)  # the decisions' tenth of the steps shifts it a little
     assert ddp["added_cpu_mean_us"] == pytest.approx(250)
+    assert ddp["added_cpu_between_us"] == pytest.approx(150)  # the deciding steps and those after them left out
+    assert loss["added_cpu_between_us"] == pytest.approx(90) and "added_cpu_between_us" in fsdp
     assert ddp["floor_cpu_us"] == pytest.approx(60) and ddp["beyond_floor_wall_us"] == pytest.approx(90)
     assert fsdp["added_cpu_us"] == pytest.approx(40) and "floor_cpu_us" not in fsdp
     assert ddp["phases_us"]["hook"] == pytest.approx(1.0)
     text = "\n".join(host.section({**s, "steps": 100}))
     assert "| DDP | 1050 / 850 | +150 |" in text and "| FSDP2 |" in text and "| DDP, weighting='loss' |" in text
+    assert "between decisions" in text
     assert host.figure(s, tmp_path / "host.png") == tmp_path / "host.png" and (tmp_path / "host.png").stat().st_size
     assert host.figure({}, tmp_path / "none.png") is None
 

@@ -428,14 +428,16 @@ def figure(summ: dict, path: Path) -> Path | None:
             ax.barh(y + 0.45, v, left=left, height=0.7, color=f"C{i}", label=name if y == ys[0] else None)
             left += v
         row = summ[door]
-        measured = [("added CPU (median)", row["added_cpu_us"], "k"),
-                    ("added main-thread CPU (median)", row.get("added_main_us", 0.0), "navy"),
-                    ("added CPU (median between decisions)", row.get("added_cpu_between_us", 0.0), "tab:olive"),
+        measured = [("added CPU (median)", row["added_cpu_us"], "k"),  # the HF door has no main-thread clock
+                    ("added main-thread CPU (median)", row.get("added_main_us"), "navy"),
+                    ("added CPU (median between decisions)", row.get("added_cpu_between_us"), "tab:olive"),
                     ("added wall (median)", row["added_wall_us"], "0.45"),
                     ("added CPU (mean)", row["added_cpu_mean_us"], "0.75")]
         if "floor_cpu_us" in row:
             measured.append(("its floor, CPU (median)", row["floor_cpu_us"], "tab:cyan"))
         for j, (label, v, colour) in enumerate(measured):
+            if v is None:  # not measured for this door: no bar, rather than one of 0
+                continue
             at = y - 0.2 - 0.2 * j  # a run's noise can make a difference negative: drawn to FLOOR_US, its value written
             ax.barh(at, max(v, FLOOR_US), height=0.18, color=colour, label=label if y == ys[0] else None)
             if v < FLOOR_US:
